@@ -1,0 +1,1 @@
+"""quantpatch.patches: per-library, per-model-family patchers (Transformers, Diffusers)."""

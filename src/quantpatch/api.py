@@ -1,0 +1,128 @@
+"""The functional entry point: ``quantpatch.attention``."""
+
+from __future__ import annotations
+
+import torch
+
+from quantpatch.config import AttentionConfig, ModeConfig
+from quantpatch.dispatch import AttentionCall, select
+from quantpatch.fallback import fall_back
+from quantpatch.modes import get_mode
+
+LAYOUTS = ("BHSD", "BSHD")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def resolve_attention_config(mode: str | ModeConfig | AttentionConfig) -> AttentionConfig:
+    """The attention numerics of a mode name, ``ModeConfig`` or ``AttentionConfig``."""
+    return mode if isinstance(mode, AttentionConfig) else get_mode(mode).attention
+
+
+def _validate(q, k, v, attn_mask, layout) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not valid; choose one of {list(LAYOUTS)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D ({layout}), got shape {tuple(t.shape)}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: {[str(d) for d in FLOAT_DTYPES]}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+
+
+def sdpa_attention(call: AttentionCall):
+    """Full-precision attention through PyTorch SDPA (bottom-right causal, GQA), output ``(B, H, Nq, Dv)``."""
+    from quantpatch.kernels.attention_ref import attention_exact, causal_allowed, expand_kv
+
+    q, k, v = call.q, call.k, call.v
+    if call.return_lse:  # SDPA does not return the LSE: use the exact path in float32
+        o, lse = attention_exact(
+            q, k, v, is_causal=call.is_causal, scale=call.scale, attn_mask=call.attn_mask,
+            return_lse=True, dtype=torch.float32,
+        )
+        return o.to(q.dtype), lse
+    h, nq, nk = q.shape[1], q.shape[-2], k.shape[-2]
+    mask = call.attn_mask
+    if call.is_causal:  # SDPA's own is_causal is top-left aligned; ours is bottom-right
+        causal = causal_allowed(nq, nk, 0, nk, q.device)
+        if mask is None:
+            mask = causal
+        elif mask.dtype == torch.bool:
+            mask = mask & causal
+        else:
+            mask = mask.masked_fill(~causal, float("-inf"))
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, expand_kv(k, h), expand_kv(v, h), attn_mask=mask, scale=call.scale
+    )
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mode: str | ModeConfig | AttentionConfig,
+    is_causal: bool = False,
+    scale: float | None = None,
+    layout: str = "BHSD",
+    attn_mask: torch.Tensor | None = None,
+    return_lse: bool = False,
+    strict: bool = False,
+):
+    """Quantized scaled-dot-product attention.
+
+    Args:
+        q: ``(B, H, Nq, D)`` for ``layout="BHSD"`` (Transformers), ``(B, Nq, H, D)`` for ``"BSHD"`` (Diffusers).
+        k, v: ``(B, Hkv, Nk, D)`` / ``(B, Hkv, Nk, Dv)`` in the same layout; ``H % Hkv == 0`` (GQA).
+        mode: a mode name (``"sage2-8b"``, ...), a ``ModeConfig`` or an ``AttentionConfig``.
+        is_causal: causal mask, bottom-right aligned when ``Nq < Nk`` (a query chunk after a cache).
+        scale: softmax scale (default ``1/sqrt(D)``).
+        attn_mask: bool (True = attend) or additive float mask broadcastable to ``(B, H, Nq, Nk)``.
+        return_lse: also return the log-sum-exp ``(B, H, Nq)`` in float32 (natural log).
+        strict: raise :class:`~quantpatch.fallback.UnsupportedError` instead of falling back to SDPA.
+
+    Returns:
+        ``o`` in ``q``'s dtype and layout (and ``lse`` if asked). Inputs a quantized path cannot
+        take (head dims outside [32, 256], ...) run through SDPA after one warning.
+    """
+    _validate(q, k, v, attn_mask, layout)
+    if layout == "BSHD":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    b, h, nq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} disagree on heads or length")
+    if k.shape[1] == 0 or h % k.shape[1]:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({k.shape[1]})")
+    if k.shape[-1] != d:
+        raise ValueError(f"q head_dim {d} != k head_dim {k.shape[-1]}")
+    nk = k.shape[2]
+    if attn_mask is not None:
+        try:
+            torch.broadcast_shapes(attn_mask.shape, (b, h, nq, nk))
+        except RuntimeError as err:
+            raise ValueError(f"attn_mask {tuple(attn_mask.shape)} does not broadcast to {(b, h, nq, nk)}") from err
+    cfg = resolve_attention_config(mode)
+    call = AttentionCall(q, k, v, cfg, is_causal, scale, attn_mask, return_lse)
+
+    if q.numel() == 0 or nk == 0:  # nothing to attend: zeros (and lse = -inf), like an all-masked row
+        result = (q.new_zeros(b, h, nq, v.shape[-1]), q.new_full((b, h, nq), float("-inf"), dtype=torch.float32))
+    elif not cfg.quantized:
+        result = sdpa_attention(call)
+    else:
+        impl, declined = select(call)
+        if impl is None:
+            fall_back(f"quantpatch.attention(numerics={cfg.numerics!r})", "; ".join(declined), strict=strict)
+            result = sdpa_attention(call)
+        else:
+            result = impl.run(call)
+    o, lse = result if isinstance(result, tuple) else (result, None)
+    o = o.to(q.dtype)
+    if layout == "BSHD":
+        o = o.transpose(1, 2)
+    return (o, lse.to(torch.float32)) if return_lse else o

@@ -1,0 +1,114 @@
+"""The one place that picks an attention implementation for a call.
+
+Implementations register per numerics family with a priority and an ``unsupported`` check
+(returns why it cannot take a call, or ``None``). :func:`select` returns the best that
+accepts the call, plus the reasons of those that declined; the caller falls back to SDPA
+when none accepts. The pure-PyTorch reference is registered here for every quantized
+numerics; GPU kernels register themselves from ``quantpatch.kernels`` when CUDA is usable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from quantpatch.config import NUMERICS, AttentionConfig
+from quantpatch.fallback import logger
+
+REFERENCE_HEAD_DIMS = (32, 256)  # the range every mode supports; others fall back to SDPA
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """A validated call in ``(B, H, S, D)`` layout."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    config: AttentionConfig
+    is_causal: bool
+    scale: float | None
+    attn_mask: torch.Tensor | None
+    return_lse: bool
+
+
+@dataclass(frozen=True)
+class Implementation:
+    name: str
+    priority: int
+    unsupported: Callable[[AttentionCall], str | None]
+    run: Callable[[AttentionCall], object]
+
+
+_REGISTRY: dict[str, list[Implementation]] = {n: [] for n in NUMERICS if n != "none"}
+
+
+def register(numerics: str, impl: Implementation) -> None:
+    """Add ``impl`` for ``numerics``; higher priority is tried first."""
+    if numerics not in _REGISTRY:
+        raise ValueError(f"unknown numerics {numerics!r}; valid: {sorted(_REGISTRY)}")
+    _REGISTRY[numerics] = sorted([*_REGISTRY[numerics], impl], key=lambda i: -i.priority)
+
+
+def implementations(numerics: str) -> list[Implementation]:
+    return list(_REGISTRY[numerics])
+
+
+_fast_paths_loaded = False
+
+
+def _load_fast_paths() -> None:
+    """Import the GPU kernels once, on the first CUDA call: they register themselves here."""
+    global _fast_paths_loaded
+    if _fast_paths_loaded:
+        return
+    _fast_paths_loaded = True
+    try:
+        import quantpatch.kernels.fast_paths  # noqa: F401
+    except ImportError as err:  # Triton missing or too old: the reference serves every call
+        logger.warning("quantpatch GPU kernels unavailable (%s); using the PyTorch reference", err)
+
+
+def select(call: AttentionCall) -> tuple[Implementation | None, list[str]]:
+    """The highest-priority implementation that accepts ``call``, and why the others declined."""
+    if call.q.is_cuda:
+        _load_fast_paths()
+    declined = []
+    for impl in _REGISTRY[call.config.numerics]:
+        reason = impl.unsupported(call)
+        if reason is None:
+            return impl, declined
+        declined.append(f"{impl.name}: {reason}")
+    return None, declined
+
+
+def _reference_unsupported(call: AttentionCall) -> str | None:
+    lo, hi = REFERENCE_HEAD_DIMS
+    d = call.q.shape[-1]
+    if not lo <= d <= hi:
+        return f"head_dim {d} outside the supported range [{lo}, {hi}]"
+    return None
+
+
+def _reference_run(call: AttentionCall):
+    from quantpatch.kernels.quant_attention_ref import quant_attention_ref
+
+    for name, t in (("q", call.q), ("k", call.k), ("v", call.v)):
+        if not torch.isfinite(t).all():
+            raise ValueError(f"quantpatch.attention: {name} contains NaN or Inf; quantization scales would be invalid")
+    return quant_attention_ref(
+        call.q,
+        call.k,
+        call.v,
+        call.config,
+        is_causal=call.is_causal,
+        scale=call.scale,
+        attn_mask=call.attn_mask,
+        return_lse=call.return_lse,
+    )
+
+
+for _numerics in _REGISTRY:
+    register(_numerics, Implementation("reference", 0, _reference_unsupported, _reference_run))

@@ -1,0 +1,103 @@
+"""The mode registry: named presets of :class:`~quantpatch.config.ModeConfig`.
+
+| mode | attention | KV cache | linear | paper |
+| --- | --- | --- | --- | --- |
+| ``off`` | full precision | — | — | — |
+| ``sage2-8b`` | Q,K INT8 per-thread, smooth Q+K, P̃/V FP8 e4m3 (1/448, per-channel), two-level | — | — | SageAttention2 |
+| ``sage2-4b`` | as ``sage2-8b`` with Q,K INT4 ([-7, 7]) | — | — | SageAttention2 |
+| ``int8-flash`` | Q,K INT8 per-token, V INT8 per-tensor, P = round(127·P̃), l from P | — | — | INT-FlashAttention |
+| ``turbo`` | Q,K,V INT8 per block (absmax/119), SAS exp (n_r = −6), P INT8 per tile | INT8 → INT4/INT2 | — | TurboAttention |
+| ``fireq`` | Q,K per-token FP8, V FP8 per-tensor, P̃ FP8 | INT4 per-token | W4A8-FP8 | FireQ |
+
+SageAttention2 §5 notes its Hopper 8-bit kernel drops smooth Q; our ``sage2-8b`` keeps it
+on as the product brief specifies (``with_options(smooth_q=False)`` gives the paper's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quantpatch.config import AttentionConfig, KVCacheConfig, LinearConfig, ModeConfig
+
+_SAGE2_8B = AttentionConfig(
+    numerics="sage2",
+    qk_format="int8",
+    qk_granularity="thread",
+    qk_qmax=127,
+    smooth_k=True,
+    smooth_q=True,
+    pv_format="fp8_e4m3",
+    v_granularity="channel",
+    two_level_accum=True,
+)
+
+MODES: dict[str, ModeConfig] = {
+    "off": ModeConfig(name="off"),
+    "sage2-8b": ModeConfig(name="sage2-8b", attention=_SAGE2_8B),
+    "sage2-4b": ModeConfig(name="sage2-4b", attention=_SAGE2_8B.replace(qk_format="int4", qk_qmax=7)),
+    "int8-flash": ModeConfig(
+        name="int8-flash",
+        attention=AttentionConfig(
+            numerics="int8_flash",
+            qk_format="int8",
+            qk_granularity="token",
+            qk_qmax=127,
+            pv_format="int8",
+            v_granularity="tensor",
+            l_from_quantized_p=True,
+            two_level_accum=False,
+        ),
+    ),
+    "turbo": ModeConfig(
+        name="turbo",
+        attention=AttentionConfig(
+            numerics="turbo",
+            qk_format="int8",
+            qk_granularity="block",
+            qk_qmax=119,
+            pv_format="int8",
+            pv_qmax=119,
+            v_granularity="block",
+            p_from_block_max=True,
+            two_level_accum=False,
+            exp="sas",
+            sas_threshold=-6.0,
+            block_q=64,
+            block_k=64,
+        ),
+        kv_cache=KVCacheConfig(kind="turbo", bits=4, low_bits=2, two_bit_heads=0.5, buffer_tokens=64, int8_qmax=119),
+    ),
+    "fireq": ModeConfig(
+        name="fireq",
+        attention=AttentionConfig(
+            numerics="fireq",
+            qk_format="fp8_e4m3",
+            qk_granularity="token",
+            pv_format="fp8_e4m3",
+            v_granularity="tensor",
+            two_level_accum=False,
+        ),
+        kv_cache=KVCacheConfig(kind="fireq", bits=4, crs_pairs=8),
+        linear=LinearConfig(kind="w4a8_fp8", group_size=128, cas=True, pts=True),
+    ),
+}
+
+
+def available_modes() -> list[str]:
+    """Names of the registered modes."""
+    return sorted(MODES)
+
+
+def get_mode(mode: str | ModeConfig, **options: Any) -> ModeConfig:
+    """Resolve a mode name (or a ready :class:`ModeConfig`) and apply option overrides.
+
+    Raises:
+        ValueError: the mode is unknown (the message lists the valid ones) or an option is.
+    """
+    if isinstance(mode, ModeConfig):
+        config = mode
+    elif isinstance(mode, str) and mode in MODES:
+        config = MODES[mode]
+    else:
+        raise ValueError(f"unknown quantpatch mode {mode!r}; valid modes are {available_modes()}")
+    return config.with_options(**options) if options else config
