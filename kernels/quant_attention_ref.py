@@ -58,8 +58,8 @@ def block_mean(x: torch.Tensor, block: int) -> torch.Tensor:
 def quantize_qk(x: torch.Tensor, cfg: AttentionConfig, role: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize Q (``role="q"``) or K (``"k"``) ``(B, H, N, D)`` → values and per-token scales ``(B, H, N, 1)``."""
     block = cfg.block_q if role == "q" else cfg.block_k
-    if cfg.qk_format == "fp16":
-        return x.to(torch.float16).to(x.dtype), torch.ones_like(x[..., :1])
+    if cfg.qk_format in ("fp16", "none"):
+        return cast_float(x, cfg.qk_format), torch.ones_like(x[..., :1])
     if cfg.qk_format.startswith("fp8"):
         absmax = token_absmax(x, cfg.qk_granularity, role=role, block=block, warps=cfg.warps)
         return quantize_fp8(x, cfg.qk_format, absmax)
@@ -73,18 +73,25 @@ def pv_max(cfg: AttentionConfig) -> float:
     return FP8_MAX.get(cfg.pv_format, 1.0)
 
 
+def cast_float(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Round ``x`` to a floating operand format (``fp16``, ``fp8_*``; ``none`` keeps it as is)."""
+    if fmt == "none":
+        return x
+    if fmt == "fp16":
+        return x.to(torch.float16).to(x.dtype)
+    return cast_fp8(x, fmt)
+
+
 def cast_pv(x: torch.Tensor, cfg: AttentionConfig) -> torch.Tensor:
     """Round already-scaled P̃ or V values to the P·V operand format."""
     if cfg.pv_format == "int8":
         return quantize_symmetric(x, torch.ones((), dtype=x.dtype, device=x.device), cfg.pv_qmax)
-    if cfg.pv_format == "fp16":
-        return x.to(torch.float16).to(x.dtype)
-    return cast_fp8(x, cfg.pv_format)
+    return cast_float(x, cfg.pv_format)
 
 
 def quantize_v(v: torch.Tensor, cfg: AttentionConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """V ``(B, H, N, D)`` → operand values and a scale broadcastable to it."""
-    if cfg.pv_format == "fp16":
+    if cfg.pv_format in ("fp16", "none"):
         return cast_pv(v, cfg), torch.ones((1, 1, 1, 1), dtype=v.dtype, device=v.device)
     if cfg.v_granularity == "channel":
         absmax = v.abs().amax(dim=-2, keepdim=True)
@@ -164,7 +171,7 @@ class QuantAttention(BlockedAttention):
 
     def pv(self, p: torch.Tensor, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        if cfg.pv_format == "fp16":
+        if cfg.pv_format in ("fp16", "none"):
             p_scale = torch.ones((), dtype=p.dtype, device=p.device)
         elif cfg.p_from_block_max:
             p_scale = symmetric_scale(tile_reduce_max(p, cfg.block_q), self.p_max)
@@ -193,7 +200,7 @@ class QuantAttention(BlockedAttention):
 
     def finalize(self, acc: torch.Tensor) -> torch.Tensor:
         if self.static_scales:
-            acc = acc * (self.v_scale / self.p_max if self.cfg.pv_format != "fp16" else self.v_scale)
+            acc = acc * (self.v_scale if self.cfg.pv_format in ("fp16", "none") else self.v_scale / self.p_max)
         return acc
 
     def output(self, out: torch.Tensor) -> torch.Tensor:

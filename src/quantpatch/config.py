@@ -18,9 +18,9 @@ CONFIG_VERSION = 1
 
 # Value sets shared by validation and by error messages.
 NUMERICS = ("none", "sage2", "int8_flash", "turbo", "fireq")
-QK_FORMATS = ("int8", "int4", "fp8_e4m3", "fp16")
+QK_FORMATS = ("int8", "int4", "fp8_e4m3", "fp16", "none")
 GRANULARITIES = ("tensor", "block", "warp", "thread", "token")
-PV_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "fp16")
+PV_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "fp16", "none")
 V_GRANULARITIES = ("tensor", "block", "channel")
 EXP_KINDS = ("exact", "sas")
 KV_KINDS = ("none", "turbo", "fireq")
@@ -71,7 +71,8 @@ class AttentionConfig(_JsonConfig):
         numerics: which paper's algorithm: ``sage2`` (SageAttention2), ``int8_flash``
             (INT-FlashAttention), ``turbo`` (TurboAttention prefill), ``fireq`` (FireQ FP8
             prefill) or ``none`` (full precision).
-        qk_format: storage format of Q and K (``int8`` range ±``qk_qmax``, ``int4`` ±7, ``fp8_e4m3``).
+        qk_format: storage format of Q and K (``int8`` range ±``qk_qmax``, ``int4`` ±7, ``fp8_e4m3``,
+            ``fp16``, or ``none``: kept in the compute dtype).
         qk_granularity: grouping of Q/K scales along tokens: one scale per ``tensor``, per
             ``block`` (``block_q``/``block_k`` tokens), per ``warp`` (``block_q / warps`` query
             rows; K as per block), per ``thread`` (SageAttention2 App. A.6) or per ``token``.
@@ -79,7 +80,7 @@ class AttentionConfig(_JsonConfig):
         smooth_k: subtract the per-head mean of K over tokens before quantizing (softmax-invariant).
         smooth_q: subtract the per-block mean of Q; add ΔS = q̄·γ(K)ᵀ back after the product.
         smooth_v: subtract the mean of V over tokens; add it back to O.
-        pv_format: format of P̃ and V in the P·V product.
+        pv_format: format of P̃ and V in the P·V product (``none``: kept in the compute dtype).
         pv_qmax: integer range of P̃ and V when ``pv_format="int8"`` (127; TurboAttention 119).
         v_granularity: scale grouping of V (``channel``: per head dim over all tokens;
             ``tensor``: one scale; ``block``: one per ``block_k`` tokens).

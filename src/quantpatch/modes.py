@@ -3,10 +3,10 @@
 | mode | attention | KV cache | linear | paper |
 | --- | --- | --- | --- | --- |
 | ``off`` | full precision | — | — | — |
-| ``sage2-8b`` | Q,K INT8 per-thread, smooth Q+K, P̃/V FP8 e4m3 (1/448, per-channel), two-level | — | — | SageAttention2 |
+| ``sage2-8b`` | Q,K INT8 per-thread, smooth Q+K, P̃/V FP8 e4m3 (1/448, per-channel) | — | — | SageAttention2 |
 | ``sage2-4b`` | as ``sage2-8b`` with Q,K INT4 ([-7, 7]) | — | — | SageAttention2 |
 | ``int8-flash`` | Q,K INT8 per-token, V INT8 per-tensor, P = round(127·P̃), l from P | — | — | INT-FlashAttention |
-| ``turbo`` | Q,K,V INT8 per block (absmax/119), SAS exp (n_r = −6), P INT8 per tile | INT8 → INT4/INT2 | — | TurboAttention |
+| ``turbo`` | Q,K,V INT8 per block (absmax/119), SAS exp, P INT8 per tile | INT8 → INT4/INT2 | — | TurboAttention |
 | ``fireq`` | Q,K per-token FP8, V FP8 per-tensor, P̃ FP8 | INT4 per-token | W4A8-FP8 | FireQ |
 
 SageAttention2 §5 notes its Hopper 8-bit kernel drops smooth Q; our ``sage2-8b`` keeps it

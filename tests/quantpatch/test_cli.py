@@ -1,0 +1,11 @@
+"""The README's first command: ``quantpatch compare`` on embedded inputs."""
+
+from quantpatch.cli import build_parser, compare
+
+
+def test_compare_runs_every_mode_on_embedded_inputs():
+    argv = ["compare", "--seq-len", "96", "--heads", "2", "--kv-heads", "1", "--device", "cpu"]
+    args = build_parser().parse_args(argv)
+    rows = compare(args)
+    assert [r["mode"] for r in rows] == ["fireq", "int8-flash", "sage2-4b", "sage2-8b", "turbo"]
+    assert all(r["cos_sim"] > 0.99 for r in rows)
