@@ -103,6 +103,11 @@ def quantize_v(v: torch.Tensor, cfg: AttentionConfig) -> tuple[torch.Tensor, tor
     return cast_pv(v / scale, cfg), scale
 
 
+def _block_heads(scale: torch.Tensor, block: int) -> torch.Tensor:
+    """Each token's scale replaced by the first scale of its ``block``-token key block."""
+    return scale[..., ::block, :].repeat_interleave(block, dim=-2)[..., : scale.shape[-2], :]
+
+
 def matmul_fp22(p: torch.Tensor, v: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
     """``acc + p @ v`` through an FP22 accumulator, rounded after every ``FP22_K_CHUNK`` keys."""
     out = torch.zeros(*p.shape[:-1], v.shape[-1], dtype=p.dtype, device=p.device) if acc is None else acc
@@ -152,6 +157,11 @@ class QuantAttention(BlockedAttention):
             v_hat, v_scale = quantize_v(v, cfg)
         else:
             v_hat, v_scale = v_quantized
+            if v_scale.shape[-2] > 1 and not torch.equal(v_scale, _block_heads(v_scale, cfg.block_k)):
+                raise ValueError(
+                    "v_quantized scale varies within a key block; a per-token V scale cannot be factored out "
+                    "of P·V: dequantize V to its operand format first (see kernels/fireq_ref.py)"
+                )
         self.v_hat = expand_kv(v_hat, h)
         self.v_scale = v_scale if v_scale.shape[1] == 1 else expand_kv(v_scale, h)
         # Static P̃ and V scales let the accumulator stay in raw operand units (as the MMA's
