@@ -9,6 +9,7 @@ from quantpatch.config import AttentionConfig, KVCacheConfig, LinearConfig, Mode
 from quantpatch.fallback import QuantpatchFallbackWarning, UnsupportedError
 from quantpatch.metrics import all_metrics, cos_sim, mre, rel_l1, rmse
 from quantpatch.modes import MODES, available_modes, get_mode
+from quantpatch.patching import PatchHandle, patch_model
 
 __version__ = "0.1.0"
 
@@ -18,6 +19,7 @@ __all__ = [
     "KVCacheConfig",
     "LinearConfig",
     "ModeConfig",
+    "PatchHandle",
     "QuantpatchFallbackWarning",
     "UnsupportedError",
     "all_metrics",
@@ -26,6 +28,7 @@ __all__ = [
     "cos_sim",
     "get_mode",
     "mre",
+    "patch_model",
     "rel_l1",
     "rmse",
 ]

@@ -2,12 +2,41 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 logger = logging.getLogger("quantpatch")
 
 _WARNED: set[str] = set()
+
+
+@dataclass
+class SiteRecord:
+    """One patched site of a model (an attention module, a linear layer), what it runs, and its fallbacks."""
+
+    name: str
+    kind: str
+    runs: str
+    fallbacks: set[str] = field(default_factory=set)
+
+
+# The patched site currently running, so that a fallback deep inside quantpatch.attention is
+# attributed to its module in the PatchHandle report.
+_current_site: contextvars.ContextVar[SiteRecord | None] = contextvars.ContextVar("quantpatch_site", default=None)
+
+
+@contextlib.contextmanager
+def running_site(record: SiteRecord | None) -> Iterator[None]:
+    """Attribute fallbacks reported while the block runs to ``record``."""
+    token = _current_site.set(record)
+    try:
+        yield
+    finally:
+        _current_site.reset(token)
 
 
 class QuantpatchFallbackWarning(UserWarning):
@@ -20,9 +49,12 @@ class UnsupportedError(ValueError):
 
 def fall_back(what: str, reason: str, *, strict: bool) -> None:
     """Report that ``what`` falls back because of ``reason``: raise if strict, else warn once per message."""
-    message = f"{what}: {reason}; falling back to PyTorch SDPA"
+    message = f"{what}: {reason}; falling back to full precision"
     if strict:
-        raise UnsupportedError(f"{what}: {reason} (strict=True forbids the SDPA fallback)")
+        raise UnsupportedError(f"{what}: {reason} (strict=True forbids the full-precision fallback)")
+    site = _current_site.get()
+    if site is not None:
+        site.fallbacks.add(reason)
     if message not in _WARNED:
         _WARNED.add(message)
         logger.warning(message)

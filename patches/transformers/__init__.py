@@ -1,0 +1,96 @@
+"""Transformers patcher: our attention through ``AttentionInterface`` / ``set_attn_implementation``.
+
+Each ``patch_model`` call registers its own attention and mask functions under a fresh key
+(so two patched models never share state and ``remove()`` leaves no global entry behind),
+tags every attention site (a module whose ``forward`` dispatches through
+``ALL_ATTENTION_FUNCTIONS``) with its config, and switches the model's implementation.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from typing import Any
+
+from quantpatch.config import ModeConfig
+from quantpatch.fallback import UnsupportedError, logger
+from quantpatch.patches.transformers.attention import SITE_ATTR, AttentionSite, make_attention_function
+from quantpatch.patches.transformers.families import FAMILIES
+from quantpatch.patching import PatchHandle
+
+_keys = itertools.count()
+MASK_COMPATIBLE = ("sdpa", "eager")
+
+
+def _dispatches_attention(module: Any) -> bool:
+    forward = type(module).forward
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+
+
+def _selected(name: str, include: list[str] | None, exclude: list[str] | None) -> bool:
+    if include and not any(s in name for s in include):
+        return False
+    return not (exclude and any(s in name for s in exclude))
+
+
+def patch_transformers_model(
+    model: Any,
+    mode: ModeConfig,
+    handle: PatchHandle,
+    *,
+    strict: bool,
+    include: list[str] | None,
+    exclude: list[str] | None,
+) -> None:
+    """Patch every attention site of a ``PreTrainedModel`` in place, recording each change in ``handle``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    model_type = getattr(model.config, "model_type", None)
+    family = FAMILIES.get(model_type)
+    if family is None:
+        message = f"model type {model_type!r} is not in quantpatch's tested families {sorted(FAMILIES)}"
+        if strict:
+            raise UnsupportedError(message)
+        handle.notes.append(message + "; patched through AttentionInterface all the same")
+        logger.warning(message)
+    if not model._can_set_attn_implementation():
+        raise ValueError(f"{type(model).__name__} does not dispatch attention through AttentionInterface")
+    if mode.kv_cache.kind != "none" or mode.linear.kind != "none":
+        handle.notes.append(
+            f"mode {mode.name!r}: only its attention numerics are applied by patch_model so far "
+            f"(KV cache {mode.kv_cache.kind!r}, linear {mode.linear.kind!r} come from calibrated checkpoints)"
+        )
+
+    # Fallbacks run the original attention, so the mask must be in its format (bool for sdpa,
+    # additive for eager); quantpatch.attention takes either. Other originals fall back to sdpa.
+    original_impl = model.config._attn_implementation
+    if original_impl not in MASK_COMPATIBLE:
+        original_impl = "sdpa"
+    softcap = getattr(model.config, family.softcap, None) if family and family.softcap else None
+    sites = [(n, m) for n, m in model.named_modules() if _dispatches_attention(m)]
+    if not sites:
+        raise ValueError(f"found no attention module dispatching through AttentionInterface in {type(model).__name__}")
+    for name, module in sites:
+        selected = _selected(name, include, exclude)
+        runs = f"quantpatch {mode.name} attention" if selected else f"original {original_impl} attention (excluded)"
+        record = handle.add_site(name, "attention", runs)
+        site = AttentionSite(mode.attention if selected else None, record, strict, original_impl, softcap)
+        handle.setattr(module, SITE_ATTR, site)
+
+    key = f"quantpatch_{next(_keys)}"
+    handle.setitem(AttentionInterface._global_mapping, key, make_attention_function())
+    handle.setitem(
+        ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, key, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[original_impl]
+    )
+    configs = {
+        id(m.config): m.config
+        for m in model.modules()
+        if hasattr(getattr(m, "config", None), "_attn_implementation_internal")
+    }
+    for config in configs.values():
+        handle.setattr(config, "_attn_implementation_internal", config._attn_implementation_internal)
+    model.set_attn_implementation(key)

@@ -1,0 +1,85 @@
+"""The attention function registered with Transformers' ``AttentionInterface``.
+
+Transformers calls it with ``(B, H, S, D)`` query/key/value after RoPE and the cache update
+and expects ``(B, S, H, D)`` back. GQA is native (no ``repeat_kv``). Causality: with no mask
+and ``q_len > 1`` the call is causal (bottom-right aligned); otherwise the boolean mask built
+by ``sdpa_mask`` (padding, sliding windows, chunked prefill) is honoured as given.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from quantpatch.api import attention
+from quantpatch.config import AttentionConfig
+from quantpatch.fallback import SiteRecord, fall_back, running_site
+
+SITE_ATTR = "_quantpatch_site"
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """What a patched attention module runs: ``config`` None means the original attention."""
+
+    config: AttentionConfig | None
+    record: SiteRecord
+    strict: bool
+    original_impl: str
+    softcap: float | None
+
+
+def original_attention(module: Any, impl: str) -> Callable:
+    """The attention function the model used before patching."""
+    from transformers import AttentionInterface
+
+    if impl in AttentionInterface._global_mapping:
+        return AttentionInterface._global_mapping[impl]
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def _unsupported(site: AttentionSite, module: Any, dropout: float, softcap: float | None, kwargs: dict) -> str | None:
+    if dropout and module.training:
+        return "attention dropout during training"
+    if softcap or site.softcap:
+        return "attention logit softcapping"
+    if kwargs.get("s_aux") is not None:
+        return "attention sinks"
+    return None
+
+
+def make_attention_function() -> Callable:
+    """A fresh ``AttentionInterface`` function (one per patch, so each can be unregistered)."""
+
+    def quantpatch_attention_forward(
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        softcap: float | None = None,
+        is_causal: bool | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        site: AttentionSite | None = getattr(module, SITE_ATTR, None)
+        reason = None if site is None or site.config is None else _unsupported(site, module, dropout, softcap, kwargs)
+        if site is None or site.config is None or reason:
+            if reason:
+                with running_site(site.record):
+                    fall_back(f"{site.record.name}", reason, strict=site.strict)
+            impl = original_attention(module, site.original_impl if site else "sdpa")
+            return impl(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                        softcap=softcap, is_causal=is_causal, **kwargs)
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        causal = bool(causal) and attention_mask is None and query.shape[2] > 1
+        with running_site(site.record):
+            out = attention(query, key, value, mode=site.config, is_causal=causal, scale=scaling,
+                            attn_mask=attention_mask, strict=site.strict)
+        return out.transpose(1, 2).contiguous(), None
+
+    return quantpatch_attention_forward

@@ -1,0 +1,134 @@
+"""``patch_model`` and the reversible :class:`PatchHandle` it returns.
+
+Patching is per instance: every change is a recorded ``(owner, attribute, original)``
+(or a dict entry) that :meth:`PatchHandle.remove` restores in reverse order, so outputs
+after ``remove()`` are bitwise those of the unpatched model. Library-specific work lives
+in ``quantpatch.patches``; this module only dispatches and keeps the books.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from quantpatch.config import ModeConfig
+from quantpatch.fallback import SiteRecord
+from quantpatch.modes import get_mode
+
+_MISSING = object()
+PATCHED_MARK = "_quantpatch_handle"
+
+
+class PatchHandle:
+    """Undo log and report of one :func:`patch_model` call; a context manager that removes itself."""
+
+    def __init__(self, model: torch.nn.Module, mode: ModeConfig) -> None:
+        self.model = model
+        self.mode = mode
+        self.sites: list[SiteRecord] = []
+        self.notes: list[str] = []
+        self._undo: list[tuple[Any, str, Any]] = []
+        self.active = True
+
+    # -- recording ----------------------------------------------------------------
+    def setattr(self, owner: Any, name: str, value: Any) -> None:
+        """``setattr(owner, name, value)``, remembering the original (or its absence)."""
+        # Only an instance attribute is restored; one that came from the class is deleted again.
+        self._undo.append((owner, name, vars(owner).get(name, _MISSING)))
+        setattr(owner, name, value)
+
+    def setitem(self, mapping: Any, key: Any, value: Any) -> None:
+        """``mapping[key] = value``, remembering the original entry (or its absence)."""
+        self._undo.append((mapping, ("item", key), mapping[key] if key in mapping else _MISSING))
+        mapping[key] = value
+
+    def add_site(self, name: str, kind: str, runs: str) -> SiteRecord:
+        record = SiteRecord(name, kind, runs)
+        self.sites.append(record)
+        return record
+
+    # -- undo ---------------------------------------------------------------------
+    def remove(self) -> None:
+        """Restore every original object, newest change first. Idempotent."""
+        if not self.active:
+            return
+        for owner, name, original in reversed(self._undo):
+            if isinstance(name, tuple):
+                key = name[1]
+                if original is _MISSING:
+                    del owner[key]
+                else:
+                    owner[key] = original
+            elif original is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        self._undo.clear()
+        self.active = False
+
+    def __enter__(self) -> PatchHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    # -- report -------------------------------------------------------------------
+    def report(self) -> str:
+        """Each patched site, what it now runs, and every fallback with its reason."""
+        lines = [f"quantpatch mode {self.mode.name!r} on {type(self.model).__name__} "
+                 f"({'active' if self.active else 'removed'})"]
+        for site in self.sites:
+            lines.append(f"  {site.kind:<9} {site.name}: {site.runs}")
+            lines.extend(f"      fallback: {reason}" for reason in sorted(site.fallbacks))
+        lines.extend(f"  note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+    def fallbacks(self) -> dict[str, set[str]]:
+        """``{site name: reasons}`` for every site that fell back at least once."""
+        return {s.name: set(s.fallbacks) for s in self.sites if s.fallbacks}
+
+
+def _is_compiled(model: Any) -> bool:
+    return type(model).__name__ == "OptimizedModule" or hasattr(model, "_orig_mod")
+
+
+def patch_model(
+    model: Any,
+    mode: str | ModeConfig = "sage2-8b",
+    *,
+    strict: bool = False,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+) -> PatchHandle:
+    """Swap the attention of a loaded Transformers model (or Diffusers pipeline/transformer).
+
+    Args:
+        model: a ``transformers.PreTrainedModel``, a Diffusers pipeline or transformer.
+        mode: a registered mode name or a ``ModeConfig``.
+        strict: raise instead of falling back to the original attention.
+        include / exclude: module-name substrings selecting which attention sites to patch.
+
+    Returns:
+        A :class:`PatchHandle`: ``.remove()`` (or leaving its ``with`` block) restores the model.
+
+    Raises:
+        ValueError: the model is already patched, is ``torch.compile``-d, or is of an unsupported kind.
+    """
+    config = get_mode(mode)
+    if _is_compiled(model):
+        raise ValueError(
+            "patch_model got a torch.compile-d model; patch the original module first, then compile it"
+        )
+    if getattr(model, PATCHED_MARK, None) is not None:
+        raise ValueError("this model is already patched by quantpatch; call .remove() on its handle first")
+    handle = PatchHandle(model, config)
+    from quantpatch.patches import patch_for
+
+    try:
+        patch_for(model)(model, config, handle, strict=strict, include=include, exclude=exclude)
+        handle.setattr(model, PATCHED_MARK, handle)
+    except BaseException:
+        handle.remove()
+        raise
+    return handle

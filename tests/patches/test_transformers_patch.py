@@ -1,0 +1,102 @@
+"""patch_model on Transformers models: sites swapped, outputs close, remove() exact, no leaks."""
+
+import pytest
+import torch
+
+import quantpatch as qp
+from quantpatch.fallback import reset_fallback_warnings
+from tests.patches.conftest import tiny_model
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2", "gpt_neox", "bert"]
+# Logit CosSim floor vs the unpatched model (random tiny models, 24 tokens, reference path).
+LOGIT_COS_FLOOR = {"sage2-8b": 0.999, "int8-flash": 0.999, "fireq": 0.998, "turbo": 0.998, "sage2-4b": 0.99}
+
+
+def _inputs(family):
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _out(model, inputs):
+    with torch.no_grad():
+        out = model(**inputs)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_is_patched_and_restored_bitwise(family, no_leaks):
+    reset_fallback_warnings()
+    model, inputs = tiny_model(family), _inputs(family)
+    base = _out(model, inputs)
+    handle = qp.patch_model(model, "sage2-8b")
+    sites = [s for s in handle.sites if s.kind == "attention"]
+    assert len(sites) == 2 and all("quantpatch sage2-8b" in s.runs for s in sites)
+    patched = _out(model, inputs)
+    handle.remove()
+    assert torch.equal(_out(model, inputs), base)
+    if family == "gemma2":  # attention logit softcapping: falls back to the original attention
+        assert all("softcapping" in r for s in sites for r in s.fallbacks)
+        assert torch.equal(patched, base)
+    else:
+        assert not handle.fallbacks()
+        assert not torch.equal(patched, base)
+        assert qp.cos_sim(patched, base) > LOGIT_COS_FLOOR["sage2-8b"]
+
+
+@pytest.mark.parametrize("mode", sorted(LOGIT_COS_FLOOR))
+def test_every_mode_stays_close_on_llama(mode, no_leaks):
+    model, inputs = tiny_model("llama"), _inputs("llama")
+    base = _out(model, inputs)
+    with qp.patch_model(model, mode) as handle:
+        assert qp.cos_sim(_out(model, inputs), base) > LOGIT_COS_FLOOR[mode]
+    assert not handle.active and torch.equal(_out(model, inputs), base)
+
+
+def test_padding_mask_is_honoured():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0  # left padding
+    base = _out(model, {"input_ids": ids, "attention_mask": mask})
+    with qp.patch_model(model, qp.get_mode("sage2-8b", qk_format="none", pv_format="none", smooth_q=False)):
+        patched = _out(model, {"input_ids": ids, "attention_mask": mask})
+    # unquantized numerics through our path: equal to the model's own attention up to float rounding
+    torch.testing.assert_close(patched[0, 7:], base[0, 7:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(patched[1], base[1], rtol=1e-4, atol=1e-4)
+
+
+def test_include_exclude_and_report(no_leaks):
+    model = tiny_model("llama")
+    with qp.patch_model(model, "sage2-4b", exclude=["layers.1."]) as handle:
+        runs = {s.name: s.runs for s in handle.sites}
+        report = handle.report()
+    assert "quantpatch sage2-4b" in runs["model.layers.0.self_attn"]
+    assert "excluded" in runs["model.layers.1.self_attn"]
+    assert "model.layers.1.self_attn: original sdpa attention (excluded)" in report
+
+
+def test_patching_twice_or_compiled_raises(no_leaks):
+    model = tiny_model("llama")
+    with qp.patch_model(model, "sage2-8b"):
+        with pytest.raises(ValueError, match="already patched"):
+            qp.patch_model(model, "sage2-8b")
+    with pytest.raises(ValueError, match="torch.compile"):
+        qp.patch_model(torch.compile(model), "sage2-8b")
+
+
+def test_unknown_mode_and_model_kinds_raise():
+    with pytest.raises(ValueError, match="valid modes"):
+        qp.patch_model(tiny_model("llama"), "int3")
+    with pytest.raises(ValueError, match="supports transformers PreTrainedModel"):
+        qp.patch_model(torch.nn.Linear(2, 2), "sage2-8b")
+
+
+def test_softcap_fallback_warns_once_and_strict_raises():
+    reset_fallback_warnings()
+    model, inputs = tiny_model("gemma2"), _inputs("gemma2")
+    with qp.patch_model(model, "sage2-8b"):
+        with pytest.warns(qp.QuantpatchFallbackWarning, match="softcapping"):
+            _out(model, inputs)
+    with qp.patch_model(model, "sage2-8b", strict=True):
+        with pytest.raises(qp.UnsupportedError, match="softcapping"):
+            _out(model, inputs)
