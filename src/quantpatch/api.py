@@ -10,6 +10,9 @@ from quantpatch.fallback import fall_back
 from quantpatch.modes import get_mode
 
 LAYOUTS = ("BHSD", "BSHD")
+# Bound at import: the Diffusers patcher swaps torch.nn.functional.scaled_dot_product_attention
+# while a processor runs, and our own SDPA fallback must not re-enter it.
+_TORCH_SDPA = torch.nn.functional.scaled_dot_product_attention
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -55,9 +58,7 @@ def sdpa_attention(call: AttentionCall):
             mask = mask & causal
         else:
             mask = mask.masked_fill(~causal, float("-inf"))
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, expand_kv(k, h), expand_kv(v, h), attn_mask=mask, scale=call.scale
-    )
+    return _TORCH_SDPA(q, expand_kv(k, h), expand_kv(v, h), attn_mask=mask, scale=call.scale)
 
 
 def attention(

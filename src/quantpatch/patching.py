@@ -43,6 +43,10 @@ class PatchHandle:
         self._undo.append((mapping, ("item", key), mapping[key] if key in mapping else _MISSING))
         mapping[key] = value
 
+    def add_undo(self, undo: Any) -> None:
+        """Run ``undo()`` on :meth:`remove`, in order with the recorded changes."""
+        self._undo.append((undo, None, None))
+
     def add_site(self, name: str, kind: str, runs: str) -> SiteRecord:
         record = SiteRecord(name, kind, runs)
         self.sites.append(record)
@@ -54,7 +58,9 @@ class PatchHandle:
         if not self.active:
             return
         for owner, name, original in reversed(self._undo):
-            if isinstance(name, tuple):
+            if name is None:  # a callable registered with add_undo
+                owner()
+            elif isinstance(name, tuple):
                 key = name[1]
                 if original is _MISSING:
                     del owner[key]

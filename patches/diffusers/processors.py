@@ -1,0 +1,109 @@
+"""Processors that wrap a Diffusers model's own attention processor.
+
+The wrapped processor runs unchanged (its projections, QK norms, RoPE and joint text/video
+attention stay exact); only its attention product is routed to ``quantpatch.attention``:
+while it runs, the name it calls (``dispatch_attention_fn`` in its module, or
+``torch.nn.functional.scaled_dot_product_attention``) is swapped, inside try/finally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import torch
+
+from quantpatch.api import attention
+from quantpatch.config import AttentionConfig
+from quantpatch.fallback import SiteRecord, fall_back, running_site
+
+
+class _Router:
+    """The quantized replacements for one processor call, with the originals for fallback."""
+
+    def __init__(self, config: AttentionConfig, record: SiteRecord, strict: bool, dispatch: Callable | None):
+        self.config, self.record, self.strict = config, record, strict
+        self.original_dispatch = dispatch
+        self.original_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def _run(self, layout, query, key, value, attn_mask, dropout_p, is_causal, scale, reason):
+        if dropout_p:
+            reason = "attention dropout"
+        elif is_causal and query.shape[1 if layout == "BSHD" else 2] != key.shape[1 if layout == "BSHD" else 2]:
+            reason = reason or "top-left causal mask with q_len != kv_len"
+        if reason:
+            with running_site(self.record):
+                fall_back(self.record.name, reason, strict=self.strict)
+            return None
+        with running_site(self.record):
+            return attention(query, key, value, mode=self.config, is_causal=is_causal, scale=scale, layout=layout,
+                             attn_mask=attn_mask, strict=self.strict)
+
+    def dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                 enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
+        reason = "context-parallel attention" if parallel_config is not None else None
+        out = self._run("BSHD", query, key, value, attn_mask, dropout_p, is_causal, scale, reason)
+        if out is None:
+            return self.original_dispatch(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                                          attention_kwargs=attention_kwargs, backend=backend,
+                                          parallel_config=parallel_config)
+        return out
+
+    def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        out = self._run("BHSD", query, key, value, attn_mask, dropout_p, is_causal, scale, None)
+        if out is None:
+            return self.original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                      is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        return out
+
+
+@contextlib.contextmanager
+def _swapped(owner: Any, name: str, value: Any) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+class QuantpatchProcessor:
+    """Runs ``original`` with its attention product quantized; see the module docstring."""
+
+    def __init__(self, original: Any, config: AttentionConfig, record: SiteRecord, strict: bool, route: str):
+        self.original, self.config, self.record, self.strict, self.route = original, config, record, strict, route
+
+    def __call__(self, attn: Any, *args: Any, **kwargs: Any) -> Any:
+        module = sys.modules[type(self.original).__module__]
+        dispatch = getattr(module, "dispatch_attention_fn", None)
+        router = _Router(self.config, self.record, self.strict, dispatch)
+        with contextlib.ExitStack() as stack:
+            if self.route == "dispatch" and dispatch is not None:
+                stack.enter_context(_swapped(module, "dispatch_attention_fn", router.dispatch))
+            stack.enter_context(_swapped(torch.nn.functional, "scaled_dot_product_attention", router.sdpa))
+            return self.original(attn, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # e.g. _attention_backend, read by the model
+        if name == "original":
+            raise AttributeError(name)
+        return getattr(self.original, name)
+
+
+def wrap_processor(original: Any, config: AttentionConfig, record: SiteRecord, strict: bool, route: str) -> Any:
+    """A :class:`QuantpatchProcessor` whose ``__call__`` signature is ``original``'s.
+
+    Diffusers drops call kwargs that the processor's signature lacks, so the wrapper must
+    present the wrapped processor's parameters (image_rotary_emb, ...).
+    """
+    call = type(original).__call__
+
+    def __call__(self, attn, *args, **kwargs):
+        return QuantpatchProcessor.__call__(self, attn, *args, **kwargs)
+
+    __call__.__signature__ = inspect.signature(call)
+    cls = type(f"Quantpatch{type(original).__name__}", (QuantpatchProcessor,), {"__call__": __call__})
+    return cls(original, config, record, strict, route)
