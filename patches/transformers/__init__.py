@@ -78,7 +78,8 @@ def patch_transformers_model(
         selected = _selected(name, include, exclude)
         runs = f"quantpatch {mode.name} attention" if selected else f"original {original_impl} attention (excluded)"
         record = handle.add_site(name, "attention", runs)
-        site = AttentionSite(mode.attention if selected else None, record, strict, original_impl, softcap)
+        config = handle.attention_config(name) if selected else None
+        site = AttentionSite(config, record, strict, original_impl, softcap)
         handle.setattr(module, SITE_ATTR, site)
 
     key = f"quantpatch_{next(_keys)}"

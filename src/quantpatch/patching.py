@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from quantpatch.config import ModeConfig
+from quantpatch.config import AttentionConfig, ModeConfig
 from quantpatch.fallback import SiteRecord
 from quantpatch.modes import get_mode
 
@@ -23,9 +23,10 @@ PATCHED_MARK = "_quantpatch_handle"
 class PatchHandle:
     """Undo log and report of one :func:`patch_model` call; a context manager that removes itself."""
 
-    def __init__(self, model: torch.nn.Module, mode: ModeConfig) -> None:
+    def __init__(self, model: torch.nn.Module, mode: ModeConfig, overrides: dict[str, dict[str, Any]] | None = None):
         self.model = model
         self.mode = mode
+        self.overrides = dict(overrides or {})
         self.sites: list[SiteRecord] = []
         self.notes: list[str] = []
         self._undo: list[tuple[Any, str, Any]] = []
@@ -46,6 +47,11 @@ class PatchHandle:
     def add_undo(self, undo: Any) -> None:
         """Run ``undo()`` on :meth:`remove`, in order with the recorded changes."""
         self._undo.append((undo, None, None))
+
+    def attention_config(self, site: str) -> AttentionConfig:
+        """The attention numerics of ``site``: the mode's, with that site's overrides applied."""
+        options = self.overrides.get(site)
+        return self.mode.attention.replace(**options) if options else self.mode.attention
 
     def add_site(self, name: str, kind: str, runs: str) -> SiteRecord:
         record = SiteRecord(name, kind, runs)
@@ -106,6 +112,7 @@ def patch_model(
     strict: bool = False,
     include: list[str] | None = None,
     exclude: list[str] | None = None,
+    overrides: dict[str, dict[str, Any]] | None = None,
 ) -> PatchHandle:
     """Swap the attention of a loaded Transformers model (or Diffusers pipeline/transformer).
 
@@ -114,6 +121,8 @@ def patch_model(
         mode: a registered mode name or a ``ModeConfig``.
         strict: raise instead of falling back to the original attention.
         include / exclude: module-name substrings selecting which attention sites to patch.
+        overrides: per-site attention options keyed by the site's full name (as in ``report()``),
+            e.g. ``{"model.layers.0.self_attn": {"qk_format": "int8", "qk_qmax": 127}}``.
 
     Returns:
         A :class:`PatchHandle`: ``.remove()`` (or leaving its ``with`` block) restores the model.
@@ -128,11 +137,16 @@ def patch_model(
         )
     if getattr(model, PATCHED_MARK, None) is not None:
         raise ValueError("this model is already patched by quantpatch; call .remove() on its handle first")
-    handle = PatchHandle(model, config)
+    handle = PatchHandle(model, config, overrides)
     from quantpatch.patches import patch_for
 
     try:
         patch_for(model)(model, config, handle, strict=strict, include=include, exclude=exclude)
+        unknown = set(handle.overrides) - {site.name for site in handle.sites}
+        if unknown:
+            raise ValueError(
+                f"overrides name unknown sites {sorted(unknown)}; sites are {[s.name for s in handle.sites]}"
+            )
         handle.setattr(model, PATCHED_MARK, handle)
     except BaseException:
         handle.remove()

@@ -100,3 +100,17 @@ def test_softcap_fallback_warns_once_and_strict_raises():
     with qp.patch_model(model, "sage2-8b", strict=True):
         with pytest.raises(qp.UnsupportedError, match="softcapping"):
             _out(model, inputs)
+
+
+def test_per_site_overrides_apply_and_unknown_ones_raise(no_leaks):
+    model = tiny_model("llama")
+    overrides = {"model.layers.1.self_attn": {"qk_format": "int8", "qk_qmax": 127}}
+    with qp.patch_model(model, "sage2-4b", overrides=overrides):
+        sites = {n: m._quantpatch_site.config for n, m in model.named_modules() if hasattr(m, "_quantpatch_site")}
+    assert sites["model.layers.0.self_attn"].qk_format == "int4"
+    assert sites["model.layers.1.self_attn"].qk_format == "int8"
+    with pytest.raises(ValueError, match="overrides name unknown sites"):
+        qp.patch_model(model, "sage2-4b", overrides={"model.layers.9.self_attn": {"smooth_q": False}})
+    with pytest.raises(ValueError, match="unknown AttentionConfig option"):
+        qp.patch_model(model, "sage2-4b", overrides={"model.layers.0.self_attn": {"smoothing": False}})
+    assert not hasattr(model, "_quantpatch_handle")
