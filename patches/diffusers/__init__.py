@@ -14,15 +14,27 @@ from quantpatch.config import ModeConfig
 from quantpatch.fallback import UnsupportedError, logger
 from quantpatch.patches.diffusers.families import FAMILIES
 from quantpatch.patches.diffusers.processors import wrap_processor
-from quantpatch.patching import PatchHandle
+from quantpatch.patching import PATCHED_MARK, PatchHandle
+
+
+def processor_owners(model: Any) -> dict[str, Any]:
+    """``{"<module>.processor": module}`` for every attention module of ``model``.
+
+    Walks the modules rather than reading ``attn_processors``: some transformers lack
+    ``AttentionMixin`` (``MochiTransformer3DModel`` in Diffusers 0.42) and their attention
+    modules (``MochiAttention``) hold a plain ``processor`` attribute with no setter.
+    """
+    if not isinstance(model, torch.nn.Module):
+        return {}
+    return {f"{name}.processor": m for name, m in model.named_modules() if name and "processor" in vars(m)}
 
 
 def find_transformer(model: Any) -> Any:
     """The denoising transformer of a pipeline (or ``model`` itself if it is one)."""
-    if hasattr(model, "set_attn_processor"):
+    if hasattr(model, "set_attn_processor") or processor_owners(model):
         return model
     transformer = getattr(model, "transformer", None)
-    if transformer is None or not hasattr(transformer, "set_attn_processor"):
+    if transformer is None or not (hasattr(transformer, "set_attn_processor") or processor_owners(transformer)):
         raise ValueError(f"{type(model).__name__} has no transformer with attention processors to patch")
     return transformer
 
@@ -38,6 +50,9 @@ def patch_diffusers_model(
 ) -> None:
     """Wrap every attention processor of the transformer, recording the originals in ``handle``."""
     transformer = find_transformer(model)
+    # patch_model marks only the object it was given: a pipeline and its transformer must see each other's mark
+    if getattr(transformer, PATCHED_MARK, None) is not None:
+        raise ValueError("this model's transformer is already patched by quantpatch; call .remove() on its handle")
     name = type(transformer).__name__
     route = FAMILIES.get(name)
     if route is None:
@@ -47,7 +62,9 @@ def patch_diffusers_model(
         handle.notes.append(message + "; patched through its processors' SDPA calls all the same")
         logger.warning(message)
         route = "sdpa"
-    originals = dict(transformer.attn_processors)
+    # No AttentionMixin (Mochi): swap each module's ``processor`` attribute, recorded in the handle.
+    owners = None if hasattr(transformer, "attn_processors") else processor_owners(transformer)
+    originals = dict(transformer.attn_processors) if owners is None else {s: m.processor for s, m in owners.items()}
     replacements = {}
     for site, processor in originals.items():
         selected = not (include and not any(s in site for s in include)) and not (
@@ -60,5 +77,11 @@ def patch_diffusers_model(
             continue
         record = handle.add_site(site, "attention", f"quantpatch {mode.name} attention in {type(processor).__name__}")
         replacements[site] = wrap_processor(processor, handle.attention_config(site), record, strict, route)
-    transformer.set_attn_processor(replacements)
-    handle.add_undo(lambda: transformer.set_attn_processor(originals))
+    if owners is None:
+        transformer.set_attn_processor(replacements)
+        handle.add_undo(lambda: transformer.set_attn_processor(originals))
+    else:
+        for site, module in owners.items():
+            handle.setattr(module, "processor", replacements[site])
+    if transformer is not model:
+        handle.setattr(transformer, PATCHED_MARK, handle)
