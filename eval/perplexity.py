@@ -46,7 +46,9 @@ def load_token_stream(tokenizer, path: str | Path, max_tokens: int) -> torch.Ten
 
 
 @torch.no_grad()
-def sliding_window_nll(model, ids: torch.Tensor, window: int, stride: int | None = None, desc: str = "") -> tuple[float, int]:
+def sliding_window_nll(
+    model, ids: torch.Tensor, window: int, stride: int | None = None, desc: str = ""
+) -> tuple[float, int]:
     """Summed negative log-likelihood (nats) and the number of scored tokens.
 
     Windows of ``window`` tokens start every ``stride`` tokens; the first window scores all
