@@ -103,6 +103,15 @@ def quantize_v(v: torch.Tensor, cfg: AttentionConfig) -> tuple[torch.Tensor, tor
     return cast_pv(v / scale, cfg), scale
 
 
+def smooth_k_lse_shift(q: torch.Tensor, k_mean: torch.Tensor) -> torch.Tensor:
+    """``q_i·k̄`` per row, ``(B, H, Nq)``: what smoothing K removes from each score row (before ``scale``).
+
+    ``q (B, H, Nq, D)``, ``k_mean (B, Hkv, D)``; softmax ignores it, the LSE does not.
+    """
+    k_mean = k_mean.repeat_interleave(q.shape[1] // k_mean.shape[1], dim=1)
+    return torch.einsum("bhnd,bhd->bhn", q, k_mean.to(q.dtype))
+
+
 def _block_heads(scale: torch.Tensor, block: int) -> torch.Tensor:
     """Each token's scale replaced by the first scale of its ``block``-token key block."""
     return scale[..., ::block, :].repeat_interleave(block, dim=-2)[..., : scale.shape[-2], :]
@@ -136,8 +145,11 @@ class QuantAttention(BlockedAttention):
         self.sm_scale = softmax_scale(q, scale)
         h = q.shape[1]
         self.delta_s_q = None
+        self.lse_shift = None
         if k_quantized is None:
             k_s = k - k.mean(dim=-2, keepdim=True) if cfg.smooth_k else k
+            if cfg.smooth_k:
+                self.lse_shift = smooth_k_lse_shift(q, k.mean(dim=-2))
             k_hat, k_scale = quantize_qk(k_s, cfg, "k")
         else:
             k_s, (k_hat, k_scale) = k, k_quantized
@@ -213,8 +225,15 @@ class QuantAttention(BlockedAttention):
             acc = acc * (self.v_scale if self.cfg.pv_format in ("fp16", "none") else self.v_scale / self.p_max)
         return acc
 
-    def output(self, out: torch.Tensor) -> torch.Tensor:
-        return out if self.v_mean is None else out + self.v_mean
+    def output(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Add the V mean back (smooth V) to every row that attended to at least one key."""
+        if self.v_mean is None:
+            return out
+        return torch.where(torch.isinf(lse).unsqueeze(-1), out, out + self.v_mean)
+
+    def true_lse(self, lse: torch.Tensor) -> torch.Tensor:
+        """The LSE of the unsmoothed scores ``Q Kᵀ · scale``."""
+        return lse if self.lse_shift is None else lse + self.lse_shift * self.sm_scale
 
 
 def quant_attention_ref(
@@ -251,9 +270,8 @@ def quant_attention_ref(
     kq = None if k_quantized is None else tuple(t.to(compute_dtype) for t in k_quantized)
     vq = None if v_quantized is None else tuple(t.to(compute_dtype) for t in v_quantized)
     engine = QuantAttention(cfg, q, k, v, scale=scale, k_quantized=kq, v_quantized=vq)
-    result = engine.run(
-        q.shape[-2], k.shape[-2], v.shape[-1], q, is_causal=is_causal, attn_mask=attn_mask, return_lse=return_lse
+    out, lse = engine.run(
+        q.shape[-2], k.shape[-2], v.shape[-1], q, is_causal=is_causal, attn_mask=attn_mask, return_lse=True
     )
-    if return_lse:
-        return engine.output(result[0]), result[1]
-    return engine.output(result)
+    out = engine.output(out, lse)
+    return (out, engine.true_lse(lse)) if return_lse else out

@@ -65,8 +65,12 @@ def _group_absmax(x: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
 
 
 def symmetric_scale(absmax: torch.Tensor, qmax: float) -> torch.Tensor:
-    """``absmax / qmax``, with 1 where the group is all zeros."""
-    scale = absmax / qmax
+    """``absmax / qmax``, with 1 where the group is all zeros.
+
+    The divisor is a tensor: CUDA PyTorch turns division by a Python scalar into a multiply by
+    its reciprocal, which is not the IEEE quotient the kernels compute.
+    """
+    scale = absmax / torch.tensor(qmax, dtype=absmax.dtype, device=absmax.device)
     return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 

@@ -25,7 +25,7 @@ def test_mode_numerics_follow_the_papers():
     s4, s8 = qp.get_mode("sage2-4b").attention, qp.get_mode("sage2-8b").attention
     assert (s4.qk_format, s4.qk_qmax, s4.qk_granularity) == ("int4", 7, "thread")
     assert (s8.qk_format, s8.qk_qmax, s8.pv_format, s8.v_granularity) == ("int8", 127, "fp8_e4m3", "channel")
-    assert s4.smooth_q and s4.smooth_k and s4.two_level_accum
+    assert s4.smooth_q and s4.smooth_k and s4.smooth_v and s4.two_level_accum
     flash = qp.get_mode("int8-flash").attention
     assert (flash.qk_granularity, flash.v_granularity, flash.pv_format, flash.l_from_quantized_p) == (
         "token", "tensor", "int8", True,

@@ -1,0 +1,385 @@
+"""Attention speed: the quantized modes' Triton kernels next to PyTorch SDPA flash and cuDNN, in one run.
+
+For B=4, H=32, D ∈ {64, 128}, N ∈ {1k … 32k}, causal and not, bf16 inputs:
+
+* ``e2e``: ``quantpatch.attention(q, k, v, mode=...)`` from bf16 (quantization included);
+* ``quant``: the quantization pass alone (``quantpatch::quantize_qkv``);
+* ``kernel``: the attention kernel alone on pre-quantized operands;
+* ``sdpa-flash`` / ``sdpa-cudnn``: ``F.scaled_dot_product_attention`` under
+  ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` / ``(SDPBackend.CUDNN_ATTENTION)``.
+
+Times are ``triton.testing.do_bench`` medians (warm-up first) cycling over several input sets
+when they fit in L2; TFLOPS = 4·B·H·N²·D / t, halved for causal. Ratios are against cuDNN and
+flash of the same shape. Accuracy (CosSim, relative L1 against float64 attention) of every
+mode and of the two SDPA backends is measured on the same kind of inputs (``randn`` and the
+channel ``outliers`` of :mod:`quantpatch.synthetic`) at one length.
+
+Writes ``speed.csv``, ``accuracy.csv``, ``bench.json`` (GPU, versions, commit, config, rows),
+``bench.png`` and ``summary.md`` under ``--out``. ``--tune`` instead times kernel variants
+(block sizes, warps, stages, switches) kernel-only and writes ``tune.csv``.
+
+Usage::
+
+    QP_GIT_SHA=$(git rev-parse HEAD) python eval/bench_attention.py --out eval/results/bench_attention
+    python eval/bench_attention.py --quick --out /tmp/bench          # D=128, N in {1k, 8k}
+    python eval/bench_attention.py --tune --seq-lens 8192 --head-dims 128 --out /tmp/tune
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import itertools
+import json
+import logging
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO_ROOT / "eval" / "results" / "bench_attention"
+MODES = ("sage2-8b", "sage2-4b", "int8-flash", "fireq")
+BASELINES = ("sdpa-flash", "sdpa-cudnn")
+L2_ROTATE_BYTES = 256 * 2**20  # rotate input sets while one set is smaller than this
+logger = logging.getLogger("quantpatch").getChild("eval.bench_attention")
+
+# Kernel variants for --tune: (name, attention-launcher overrides).
+TUNE_VARIANTS = [
+    ("m64n128w4s2", dict(block_m=64, block_n=128, num_warps=4, num_stages=2)),
+    ("m64n128w4s3", dict(block_m=64, block_n=128, num_warps=4, num_stages=3)),
+    ("m64n128w4s2r168", dict(block_m=64, block_n=128, num_warps=4, num_stages=2, maxnreg=168)),
+    ("m64n64w4s3", dict(block_m=64, block_n=64, num_warps=4, num_stages=3)),
+    ("m64n64w4s3r168", dict(block_m=64, block_n=64, num_warps=4, num_stages=3, maxnreg=168)),
+    ("m64n64w4s4r128", dict(block_m=64, block_n=64, num_warps=4, num_stages=4, maxnreg=128)),
+    ("m64n128w4s2-i2f", dict(block_m=64, block_n=128, num_warps=4, num_stages=2, magic_i2f=True)),
+    ("m64n128w4s2-1lvl", dict(block_m=64, block_n=128, num_warps=4, num_stages=2, two_level_accum=False)),
+    ("m64n128w4s2-noDS", dict(block_m=64, block_n=128, num_warps=4, num_stages=2, no_delta_s=True)),
+    ("m128n128w8s3", dict(block_m=128, block_n=128, num_warps=8, num_stages=3)),
+    ("m128n64w8s3", dict(block_m=128, block_n=64, num_warps=8, num_stages=3)),
+]
+
+
+def mode_config(name: str):
+    """``"mode"`` or ``"mode+option"`` (boolean attention options switched on, e.g. ``sage2-8b+smooth_v``)."""
+    import quantpatch as qp
+
+    mode, *opts = name.split("+")
+    cfg = qp.get_mode(mode).attention
+    return cfg.replace(**{o: True for o in opts}) if opts else cfg
+
+
+def flops(b: int, h: int, n: int, d: int, causal: bool) -> float:
+    return 4.0 * b * h * n * n * d / (2.0 if causal else 1.0)
+
+
+def bench(fn: Callable[[int], object], n_sets: int, warmup: int, rep: int) -> float:
+    """Median milliseconds of ``fn(i)`` with ``i`` cycling over ``n_sets`` input sets."""
+    import triton.testing
+
+    counter = itertools.count()
+    return float(triton.testing.do_bench(lambda: fn(next(counter) % n_sets), warmup=warmup, rep=rep,
+                                         return_mode="median"))
+
+
+def machine_info() -> dict:
+    import triton
+
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "command": " ".join(shlex.quote(a) for a in sys.argv),
+    }
+    sha = os.environ.get("QP_GIT_SHA")
+    if not sha:
+        try:
+            sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                                 check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            sha = "unknown"
+    info["git_sha"] = sha
+    return info
+
+
+def make_inputs(b, h, n, d, n_sets, seed=0, device="cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [tuple(torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(3))
+            for _ in range(n_sets)]
+
+
+def sdpa_fn(backend_name: str, is_causal: bool):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+    return run
+
+
+def speed_rows(args) -> list[dict]:
+    import quantpatch as qp
+    from quantpatch.kernels import fast_paths
+
+    rows = []
+    shapes = [(d, n, c) for d in args.head_dims for n in args.seq_lens for c in args.causal]
+    for d, n, causal in shapes:
+        set_bytes = 3 * args.batch * args.heads * n * d * 2
+        n_sets = max(1, min(4, L2_ROTATE_BYTES // set_bytes))
+        sets = make_inputs(args.batch, args.heads, n, d, n_sets, seed=n + d)
+        fl = flops(args.batch, args.heads, n, d, causal)
+        shape_rows = []
+
+        def add(impl, kind, ms):
+            shape_rows.append(dict(head_dim=d, seq_len=n, causal=int(causal), impl=impl, kind=kind, ms=ms,
+                                   tflops=fl / (ms * 1e-3) / 1e12))
+
+        for name in BASELINES:
+            fn = sdpa_fn(name, causal)
+            try:
+                fn(*sets[0])
+                add(name, "kernel", bench(lambda i, fn=fn: fn(*sets[i]), n_sets, args.warmup, args.rep))
+            except RuntimeError as err:  # a backend that cannot take the shape
+                logger.warning("%s failed at D=%d N=%d: %s", name, d, n, err)
+        for mode in args.modes:
+            cfg = mode_config(mode)
+            opts = fast_paths.quant_options(cfg)
+            blocks = fast_paths.kernel_blocks(cfg, d)
+            add(mode, "e2e", bench(lambda i, c=cfg: qp.attention(*sets[i], mode=c, is_causal=causal, strict=True),
+                                   n_sets, args.warmup, args.rep))
+            add(mode, "quant", bench(lambda i, o=opts: fast_paths.quantize_qkv_op(*sets[i], **o), n_sets,
+                                     args.warmup, args.rep))
+            parts = [fast_paths.quantize_qkv_op(*s, **opts) for s in sets]
+            extra = (n, causal, 1 / math.sqrt(d), False, torch.bfloat16, cfg.block_q, cfg.l_from_quantized_p,
+                     cfg.two_level_accum, blocks["block_m"], blocks["block_n"], blocks["num_warps"],
+                     blocks["num_stages"])
+            add(mode, "kernel", bench(lambda i, p=parts, e=extra: fast_paths.attn_qk_int8_pv_fp8_op(*p[i], *e),
+                                      n_sets, args.warmup, args.rep))
+            parts = None
+        ref = {r["impl"]: r["ms"] for r in shape_rows if r["impl"] in BASELINES}
+        for r in shape_rows:
+            r["vs_cudnn"] = ref["sdpa-cudnn"] / r["ms"] if "sdpa-cudnn" in ref and r["kind"] != "quant" else ""
+            r["vs_flash"] = ref["sdpa-flash"] / r["ms"] if "sdpa-flash" in ref and r["kind"] != "quant" else ""
+            print(f"D={d:3d} N={n:5d} causal={int(causal)} {r['impl']:>11s} {r['kind']:>6s} {r['ms']:9.3f} ms "
+                  f"{r['tflops']:7.1f} TFLOPS  x{r['vs_cudnn'] or 0:5.2f} cuDNN  x{r['vs_flash'] or 0:5.2f} flash",
+                  flush=True)
+        rows += shape_rows
+        sets = None  # free before the next shape
+        torch.cuda.empty_cache()
+    return rows
+
+
+def accuracy_rows(args) -> list[dict]:
+    import quantpatch as qp
+    from quantpatch.kernels.attention_ref import attention_exact
+    from quantpatch.metrics import cos_sim, rel_l1
+    from quantpatch.synthetic import attention_inputs
+
+    rows = []
+    for d, kind, causal in itertools.product(args.head_dims, ("randn", "outliers"), args.causal):
+        q, k, v = attention_inputs(kind, batch=1, heads=args.acc_heads, seq_q=args.acc_seq_len, head_dim=d,
+                                   device="cuda", seed=1)
+        q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+        exact = attention_exact(q, k, v, is_causal=causal, dtype=torch.float64)
+        outs = {name: sdpa_fn(name, causal)(q, k, v) for name in BASELINES}
+        for mode in args.modes:
+            outs[mode] = qp.attention(q, k, v, mode=mode_config(mode), is_causal=causal, strict=True)
+        for name, o in outs.items():
+            rows.append(dict(head_dim=d, seq_len=args.acc_seq_len, heads=args.acc_heads, inputs=kind,
+                             causal=int(causal), impl=name, cos_sim=cos_sim(o, exact), rel_l1=rel_l1(o, exact)))
+            print(f"accuracy D={d} {kind:8s} causal={int(causal)} {name:>11s} CosSim {rows[-1]['cos_sim']:.6f} "
+                  f"rel-L1 {rows[-1]['rel_l1']:.4f}", flush=True)
+        del exact
+        torch.cuda.empty_cache()
+    return rows
+
+
+def tune_rows(args) -> list[dict]:
+    import quantpatch as qp
+    from quantpatch.kernels import fast_paths
+    from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
+    from quantpatch.kernels.qk_quant_triton import QuantizedQKV
+
+    rows = []
+    for d, n, causal in itertools.product(args.head_dims, args.seq_lens, args.causal):
+        (q, k, v), = make_inputs(args.batch, args.heads, n, d, 1, seed=n)
+        fl = flops(args.batch, args.heads, n, d, causal)
+        for name in BASELINES:
+            ms = bench(lambda i, fn=sdpa_fn(name, causal): fn(q, k, v), 1, args.warmup, args.rep)
+            rows.append(dict(head_dim=d, seq_len=n, causal=int(causal), impl=name, variant="", ms=ms,
+                             tflops=fl / ms / 1e9))
+            print(f"tune D={d} N={n} causal={int(causal)} {name:>11s} {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOPS")
+        for mode in args.modes:
+            cfg = qp.get_mode(mode).attention
+            x = QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **fast_paths.quant_options(cfg)))
+            for vname, over in TUNE_VARIANTS:
+                if args.variants and vname not in args.variants:
+                    continue
+                kw = dict(is_causal=causal, block_q=cfg.block_q, l_from_quantized_p=cfg.l_from_quantized_p,
+                          two_level_accum=cfg.two_level_accum)
+                kw.update(over)
+                xv = x._replace(delta_s=x.delta_s[:0]) if kw.pop("no_delta_s", False) else x
+                if cfg.smooth_q and cfg.block_q % kw["block_m"]:
+                    continue
+                try:
+                    ms = bench(lambda i, kw=kw, xv=xv: attn_qk_int8_pv_fp8(xv, n, **kw), 1, args.warmup, args.rep)
+                except Exception as err:  # a variant the compiler rejects (resources, ...)
+                    print(f"tune {mode} {vname}: failed: {type(err).__name__}: {str(err)[:200]}")
+                    continue
+                rows.append(dict(head_dim=d, seq_len=n, causal=int(causal), impl=mode, variant=vname, ms=ms,
+                                 tflops=fl / ms / 1e9))
+                print(f"tune D={d} N={n} causal={int(causal)} {mode:>11s} {vname:>20s} {ms:8.3f} ms "
+                      f"{rows[-1]['tflops']:7.1f} TFLOPS", flush=True)
+            x = None
+        q = k = v = None
+        torch.cuda.empty_cache()
+    return rows
+
+
+def profile_quant(args) -> None:
+    """Per-kernel CUDA times of the quantization pass and the attention kernel (torch.profiler)."""
+    import quantpatch as qp
+    from quantpatch.kernels import fast_paths, qk_quant_triton
+
+    ds_configs = [dict(zip(("block_n", "qb_tile", "num_warps", "num_stages"), map(int, c.split(","))))
+                  for c in args.ds_tuning] or [dict(qk_quant_triton.DS_TUNING)]
+    for d, n, mode, ds in itertools.product(args.head_dims, args.seq_lens, args.modes, ds_configs):
+        qk_quant_triton.DS_TUNING.update(ds)
+        (q, k, v), = make_inputs(args.batch, args.heads, n, d, 1, seed=n)
+        cfg = qp.get_mode(mode).attention
+        for _ in range(3):
+            qp.attention(q, k, v, mode=mode)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fast_paths.quantized_attention(q, k, v, cfg)
+            torch.cuda.synchronize()
+        print(f"profile {mode} D={d} N={n} delta_s launch {ds}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=40))
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["head_dim"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (d, c) in zip(axes[0], panels):
+        sel = [r for r in rows if r["head_dim"] == d and r["causal"] == c and r["kind"] != "quant"]
+        for impl, kind in sorted({(r["impl"], r["kind"]) for r in sel}):
+            pts = sorted((r["seq_len"], r["tflops"]) for r in sel if r["impl"] == impl and r["kind"] == kind)
+            style = "--" if kind == "kernel" and impl not in BASELINES else "-"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3,
+                    label=impl if impl in BASELINES else f"{impl} {kind}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOPS")
+        ax.set_title(f"D={d} {'causal' if c else 'non-causal'}")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def summary_md(meta: dict, speed: list[dict], acc: list[dict]) -> str:
+    lines = [f"# Attention benchmark ({meta['gpu']})", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, cuDNN {meta['cudnn']}, "
+             f"commit {meta['git_sha']}, {meta['date']}", "", f"Command: `{meta['command']}`", ""]
+    if speed:
+        lines += ["| D | N | causal | impl | kind | ms | TFLOPS | × cuDNN | × flash |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in speed:
+            vc = f"{r['vs_cudnn']:.2f}" if r["vs_cudnn"] != "" else ""
+            vf = f"{r['vs_flash']:.2f}" if r["vs_flash"] != "" else ""
+            lines.append(f"| {r['head_dim']} | {r['seq_len']} | {r['causal']} | {r['impl']} | {r['kind']} | "
+                         f"{r['ms']:.3f} | {r['tflops']:.1f} | {vc} | {vf} |")
+    if acc:
+        lines += ["", "| D | N | inputs | causal | impl | CosSim | rel-L1 |", "|---|---|---|---|---|---|---|"]
+        for r in acc:
+            lines.append(f"| {r['head_dim']} | {r['seq_len']} | {r['inputs']} | {r['causal']} | {r['impl']} | "
+                         f"{r['cos_sim']:.6f} | {r['rel_l1']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    p.add_argument("--causal", type=int, nargs="+", default=[0, 1], choices=[0, 1])
+    p.add_argument("--modes", nargs="+", default=list(MODES),
+                   help="mode names, optionally with boolean attention options: sage2-8b+smooth_v")
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
+    p.add_argument("--rep", type=int, default=100, help="do_bench measurement time (ms)")
+    p.add_argument("--acc-seq-len", type=int, default=4096)
+    p.add_argument("--acc-heads", type=int, default=8)
+    p.add_argument("--no-accuracy", action="store_true")
+    p.add_argument("--no-speed", action="store_true")
+    p.add_argument("--quick", action="store_true", help="D=128, N in {1k, 8k}: fits one short device call")
+    p.add_argument("--tune", action="store_true", help="time kernel variants instead (kernel only)")
+    p.add_argument("--profile", action="store_true", help="per-kernel times of quantization + attention")
+    p.add_argument("--ds-tuning", nargs="*", default=[],
+                   help="--profile: ΔS GEMM launches to compare, each 'block_n,qb_tile,num_warps,num_stages'")
+    p.add_argument("--variants", nargs="+", help=f"--tune variants (default all: {[v for v, _ in TUNE_VARIANTS]})")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.head_dims, args.seq_lens = [128], [1024, 8192]
+    args.causal = [bool(c) for c in args.causal]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention needs a CUDA GPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = machine_info()
+    meta["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    print(json.dumps({k: v for k, v in meta.items() if k != "config"}), flush=True)
+    if args.profile:
+        profile_quant(args)
+        return
+    if args.tune:
+        rows = tune_rows(args)
+        write_csv(args.out / "tune.csv", rows)
+        (args.out / "tune.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        return
+    speed = [] if args.no_speed else speed_rows(args)
+    acc = [] if args.no_accuracy else accuracy_rows(args)
+    write_csv(args.out / "speed.csv", speed)
+    write_csv(args.out / "accuracy.csv", acc)
+    (args.out / "bench.json").write_text(json.dumps(dict(meta=meta, speed=speed, accuracy=acc), indent=1))
+    (args.out / "summary.md").write_text(summary_md(meta, speed, acc))
+    if speed:
+        plot(speed, args.out / "bench.png")
+
+
+if __name__ == "__main__":
+    main()

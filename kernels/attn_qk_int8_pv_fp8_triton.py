@@ -1,0 +1,307 @@
+"""Quantized attention forward (Triton): INT8 (or FP8) Q·Kᵀ, FP8 (or INT8) P̃·V, online softmax in exp2.
+
+One kernel serves the prefill numerics of ``sage2`` (INT8/INT4-range Q·K, FP8 P·V),
+``int8_flash`` (INT8 Q·K, INT8 P·V with P = rne(127·P̃) and ℓ from the quantized P) and
+``fireq`` (FP8 Q·K, FP8 P·V) through constexpr switches. Per key block ``j`` of BLOCK_N keys::
+
+    S   = (Q̂ K̂ⱼᵀ) ⊙ (δQ δKⱼᵀ) + ΔS_raw[b, j] − q̄_b·K̄   int32 (or fp32) accumulate, dequantized in fp32
+    S₂  = S · scale · log₂e                             (log₂e folded into the per-row Q scale)
+    m'  = max(m, rowmax S₂)     P̃ = 2^(S₂ − m')     α = 2^(m − m')
+    P̂   = e4m3(448 P̃)   |  rne(127 P̃)                static scale: P̃ ∈ [0, 1]
+    Rⱼ  = P̂ V̂ⱼ                                        own accumulator per block (two-level, §3.4)
+    acc = α acc + Rⱼ,   ℓ = α ℓ + rowsum(P̃ | P̂/127)
+    O   = acc · δV / pmax / ℓ (+ mean V),   lse = (m + log₂ ℓ) · ln 2
+
+``V̂`` arrives transposed (``(B, Hkv, D, Nk_pad)``, tokens contiguous) because Hopper's 8-bit
+wgmma reads both operands K-major. Causal masks are bottom-right aligned (query i sees keys
+j ≤ i + Nk − Nq); the key loop runs unmasked over the blocks every row of the tile sees and
+masked only over the diagonal and the tail. GQA: query head h reads kv head h // (H / Hkv).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .qk_quant_triton import QuantizedQKV, _to_fp8e4m3, interpreting
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _attn_block(
+    acc, l_i, m_i, q, qs,
+    K_ptr, KS_ptr, VT_ptr, DS_ptr, ds_shift, ds_scale,
+    lo, hi, offs_m, NK, DIAG,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NK_PAD_STRIDE,
+    QK_FP8: tl.constexpr, PV_INT8: tl.constexpr, P_MAX: tl.constexpr, L_FROM_P: tl.constexpr,
+    SMOOTH_Q: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, TWO_LEVEL: tl.constexpr,
+    MAGIC_I2F: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """Keys ``[lo, hi)`` in blocks of BLOCK_N; ``MASKED`` adds the causal / tail mask.
+
+    ``l_i`` is kept in units of P_MAX: P_MAX·P̃ = 2^(S₂ − m + log₂ P_MAX) comes straight out
+    of exp2 (no multiply before the FP8/INT8 cast).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    LOG2_PMAX: tl.constexpr = math.log2(P_MAX)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k = tl.load(K_ptr + cols[:, None] * HEAD_DIM + offs_d[None, :])
+        ks = tl.load(KS_ptr + cols)
+        if QK_FP8:
+            s = tl.dot(q, tl.trans(k)) * ks[None, :]
+        else:
+            s_int = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
+            if MAGIC_I2F:
+                # |s_int| <= 127² · 128 < 2²²: adding 1.5·2²³'s bit pattern makes a float whose low
+                # mantissa bits are s_int; the integer add runs on the ALU, not the slow I2F unit.
+                s = ((s_int + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0) * ks[None, :]
+            else:
+                s = s_int.to(tl.float32) * ks[None, :]
+        if SMOOTH_Q:
+            s = s * qs[:, None] + ((tl.load(DS_ptr + cols) - ds_shift) * ds_scale)[None, :]
+        else:
+            s = s * qs[:, None]
+        if MASKED:
+            keep = cols[None, :] < NK
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + DIAG)
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: 2^-inf = 0, not NaN
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - (m_safe - LOG2_PMAX)[:, None])  # = P_MAX · P̃
+        vt = tl.load(VT_ptr + offs_d[:, None] * NK_PAD_STRIDE + cols[None, :])
+        if PV_INT8:
+            # P_MAX·P̃ ∈ [0, 127]: adding 1.5·2²³ rounds it half-to-even into the low mantissa bits, so
+            # the integer comes out with integer ops instead of the slow float-to-int unit
+            p_bits = (p + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+            p_hat = p_bits.to(tl.int8)
+            r = tl.dot(p_hat, tl.trans(vt), out_dtype=tl.int32)
+            # |R| <= 127² · BLOCK_N < 2²²: the same trick back to float
+            r = (r + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+            acc = acc * alpha[:, None] + r
+        else:
+            p_hat = _to_fp8e4m3(p, EMULATE)
+            if TWO_LEVEL:  # R_j in its own (FP22 on Hopper) accumulator, then into the fp32 one
+                acc = acc * alpha[:, None] + tl.dot(p_hat, tl.trans(vt))
+            else:
+                acc = tl.dot(p_hat, tl.trans(vt), acc * alpha[:, None])
+        if L_FROM_P and PV_INT8:
+            l_add = tl.sum(p_bits.to(tl.float32), 1)
+        elif L_FROM_P:
+            l_add = tl.sum(p_hat.to(tl.float32), 1)
+        else:
+            l_add = tl.sum(p, 1)
+        l_i = l_i * alpha + l_add
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["NQ", "NK"])
+def _attn_fwd_kernel(
+    Q_ptr, K_ptr, VT_ptr, QS_ptr, KS_ptr, DS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr,
+    stride_ob, stride_oh, stride_om,
+    NQ, NK, NK_PAD, H, GROUP, NQB, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_BLOCK: tl.constexpr,
+    QK_FP8: tl.constexpr, PV_INT8: tl.constexpr, P_MAX: tl.constexpr, L_FROM_P: tl.constexpr,
+    SMOOTH_Q: tl.constexpr, SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, V_TENSOR: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    RETURN_LSE: tl.constexpr, TWO_LEVEL: tl.constexpr, MAGIC_I2F: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """One tile of BLOCK_M query rows of one (batch, head)."""
+    LOG2_PMAX: tl.constexpr = math.log2(P_MAX)
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # the longest rows first: better tail balance
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    bh_kv = b * (H // GROUP) + h // GROUP
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < NQ
+    q = tl.load(Q_ptr + (pid_bh.to(tl.int64) * NQ + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    qs = tl.load(QS_ptr + pid_bh.to(tl.int64) * NQ + offs_m, mask=row_ok, other=0.0) * qk_scale
+    k_base = K_ptr + bh_kv.to(tl.int64) * NK_PAD * HEAD_DIM
+    ks_base = KS_ptr + bh_kv.to(tl.int64) * NK_PAD
+    vt_base = VT_ptr + bh_kv.to(tl.int64) * HEAD_DIM * NK_PAD
+    ds_base = DS_ptr
+    ds_shift = 0.0
+    if SMOOTH_Q:
+        qb = m0 // Q_BLOCK
+        ds_base = DS_ptr + (pid_bh.to(tl.int64) * NQB + qb) * NK_PAD
+        if SMOOTH_K:  # ΔS_raw = q̄·K holds the row constant q̄·K̄ too: ΔS = ΔS_raw − q̄·K̄
+            qm = tl.load(QM_ptr + (pid_bh * NQB + qb) * HEAD_DIM + offs_d)
+            ds_shift = tl.sum(qm * tl.load(KM_ptr + bh_kv * HEAD_DIM + offs_d), 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    diag = NK - NQ
+    if CAUSAL:
+        hi = tl.minimum(NK, m0 + BLOCK_M + diag)
+        full_hi = tl.minimum(hi, m0 + diag + 1)
+    else:
+        hi = NK
+        full_hi = NK
+    hi = tl.maximum(hi, 0)
+    full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _attn_block(
+        acc, l_i, m_i, q, qs, k_base, ks_base, vt_base, ds_base, ds_shift, qk_scale, 0, full_hi, offs_m, NK, diag,
+        HEAD_DIM, BLOCK_N, NK_PAD, QK_FP8, PV_INT8, P_MAX, L_FROM_P, SMOOTH_Q, CAUSAL, False, TWO_LEVEL, MAGIC_I2F,
+        EMULATE,
+    )
+    acc, l_i, m_i = _attn_block(
+        acc, l_i, m_i, q, qs, k_base, ks_base, vt_base, ds_base, ds_shift, qk_scale, full_hi, hi, offs_m, NK, diag,
+        HEAD_DIM, BLOCK_N, NK_PAD, QK_FP8, PV_INT8, P_MAX, L_FROM_P, SMOOTH_Q, CAUSAL, True, TWO_LEVEL, MAGIC_I2F,
+        EMULATE,
+    )
+
+    # acc is in units of P_MAX·V̂ and l_i in units of P_MAX: the two P_MAX cancel
+    if V_TENSOR:
+        out = acc * tl.load(VS_ptr)
+    else:
+        out = acc * tl.load(VS_ptr + bh_kv * HEAD_DIM + offs_d)[None, :]
+    empty = l_i == 0.0
+    out = out / tl.where(empty, 1.0, l_i)[:, None]
+    if SMOOTH_V:
+        out += tl.load(VM_ptr + bh_kv * HEAD_DIM + offs_d)[None, :]
+    out = tl.where(empty[:, None], 0.0, out)
+    o_ptrs = O_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    tl.store(o_ptrs, out.to(O_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if RETURN_LSE:
+        lse2 = m_i + tl.math.log2(tl.where(empty, 1.0, l_i)) - LOG2_PMAX
+        lse = tl.where(empty, float("-inf"), lse2 * 0.6931471805599453)
+        tl.store(LSE_ptr + pid_bh.to(tl.int64) * NQ + offs_m, lse, mask=row_ok)
+
+
+def attn_qk_int8_pv_fp8(
+    x: QuantizedQKV,
+    nk: int,
+    *,
+    is_causal: bool = False,
+    sm_scale: float | None = None,
+    return_lse: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+    block_q: int = 128,
+    l_from_quantized_p: bool = False,
+    two_level_accum: bool = True,
+    block_m: int = 128,
+    block_n: int = 128,
+    num_warps: int = 8,
+    num_stages: int = 2,
+    magic_i2f: bool = False,
+    maxnreg: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the operands of :func:`~quantpatch.kernels.qk_quant_triton.quantize_qkv` for ``nk`` keys.
+
+    The operand dtypes choose the numerics: ``q_hat`` int8 → INT8 Q·Kᵀ, float8_e4m3fn → FP8;
+    ``v_hat_t`` float8_e4m3fn → FP8 P·V (P̂ = e4m3(448 P̃)), int8 → INT8 P·V (P̂ = rne(127 P̃)).
+    ``delta_s`` non-empty adds the smooth-Q bias (its rows are query blocks of ``block_q``).
+
+    Returns:
+        ``o (B, H, Nq, D)`` in ``out_dtype`` and ``lse (B, H, Nq)`` float32 natural log
+        (empty when not asked).
+    """
+    b, h, nq, d = x.q_hat.shape
+    hkv, nk_pad = x.k_hat.shape[1], x.k_hat.shape[2]
+    if nk_pad % block_n:
+        raise ValueError(f"k_hat is padded to {nk_pad} keys, not a multiple of block_n={block_n}")
+    smooth_q = x.delta_s.numel() > 0
+    if smooth_q and block_q % block_m:
+        raise ValueError(f"block_m={block_m} must divide block_q={block_q} when delta_s is given")
+    qk_fp8 = x.q_hat.dtype == torch.float8_e4m3fn
+    pv_int8 = x.v_hat_t.dtype == torch.int8
+    p_max = 127.0 if pv_int8 else 448.0
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    o = torch.empty((b, h, nq, d), device=x.q_hat.device, dtype=out_dtype)
+    lse = torch.empty((b, h, nq) if return_lse else (0,), device=o.device, dtype=torch.float32)
+    grid = (triton.cdiv(nq, block_m), b * h)
+    _attn_fwd_kernel[grid](
+        x.q_hat, x.k_hat, x.v_hat_t, x.q_scale, x.k_scale, x.delta_s, x.q_mean, x.k_mean, x.v_scale, x.v_mean, o, lse,
+        o.stride(0), o.stride(1), o.stride(2),
+        nq, nk, nk_pad, h, h // hkv, x.delta_s.shape[2] if smooth_q else 1, scale * LOG2E,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, Q_BLOCK=block_q,
+        QK_FP8=qk_fp8, PV_INT8=pv_int8, P_MAX=p_max, L_FROM_P=l_from_quantized_p,
+        SMOOTH_Q=smooth_q, SMOOTH_K=x.k_mean.numel() > 0, SMOOTH_V=x.v_mean.numel() > 0,
+        V_TENSOR=x.v_scale.numel() == 1, CAUSAL=is_causal,
+        RETURN_LSE=return_lse, TWO_LEVEL=two_level_accum, MAGIC_I2F=magic_i2f, EMULATE=interpreting(),
+        num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
+    )
+    return o, lse
+
+
+def attn_qk_int8_pv_fp8_ref(
+    x: QuantizedQKV,
+    nk: int,
+    *,
+    is_causal: bool = False,
+    sm_scale: float | None = None,
+    block_q: int = 128,
+    block_n: int = 128,
+    l_from_quantized_p: bool = False,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's numerics in PyTorch over the same quantized operands and the same key blocks.
+
+    Differences to the kernel are rounding only: exp2 / fp32 arithmetic (so an FP8 or INT8
+    rounding of P̃ can flip at a tie) and the order of the dot products' sums.
+    Returns ``o (B, H, Nq, D)`` and ``lse (B, H, Nq)`` in ``dtype``.
+    """
+    b, h, nq, d = x.q_hat.shape
+    hkv = x.k_hat.shape[1]
+    g = h // hkv
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    pv_int8 = x.v_hat_t.dtype == torch.int8
+    p_max = 127.0 if pv_int8 else 448.0
+    q = x.q_hat.to(dtype)
+    k = x.k_hat[:, :, :nk].to(dtype).repeat_interleave(g, dim=1)
+    v = x.v_hat_t[..., :nk].to(dtype).transpose(-1, -2).repeat_interleave(g, dim=1)
+    qs = x.q_scale.to(dtype)[..., None]
+    ks = x.k_scale[..., :nk].to(dtype).repeat_interleave(g, dim=1)[..., None, :]
+    s = torch.matmul(q, k.transpose(-1, -2)) * qs * ks
+    if x.delta_s.numel():
+        ds = x.delta_s[..., :nk].to(dtype)
+        if x.k_mean.numel():
+            shift = (x.q_mean.to(dtype) * x.k_mean.to(dtype).repeat_interleave(g, dim=1)[:, :, None, :]).sum(-1)
+            ds = ds - shift[..., None]
+        s = s + ds.repeat_interleave(block_q, dim=2)[:, :, :nq]
+    s = s * (scale * LOG2E)
+    if is_causal:
+        rows = torch.arange(nq, device=s.device)[:, None] + (nk - nq)
+        s = s.masked_fill(torch.arange(nk, device=s.device)[None, :] > rows, float("-inf"))
+    m = torch.full((b, h, nq, 1), float("-inf"), dtype=dtype, device=s.device)
+    ell = torch.zeros_like(m)
+    acc = torch.zeros((b, h, nq, d), dtype=dtype, device=s.device)
+    for k0 in range(0, nk, block_n):
+        sj = s[..., k0:k0 + block_n]
+        m_new = torch.maximum(m, sj.amax(-1, keepdim=True))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        alpha, p = torch.exp2(m - m_safe), torch.exp2(sj - m_safe)
+        if pv_int8:
+            p_hat = torch.round(p * p_max)
+        else:
+            p_hat = torch.clamp(p.float() * p_max, max=448.0).to(torch.float8_e4m3fn).to(dtype)
+        ell = ell * alpha + (p_hat / p_max if l_from_quantized_p else p).sum(-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(p_hat, v[..., k0:k0 + block_n, :])
+        m = m_new
+    vs = x.v_scale.to(dtype)
+    vs = vs.reshape(1, 1, 1, 1) if vs.numel() == 1 else vs.repeat_interleave(g, dim=1)[:, :, None, :]
+    empty = ell == 0
+    o = torch.where(empty, 0.0, acc * vs / p_max / torch.where(empty, 1.0, ell))
+    if x.v_mean.numel():
+        o = torch.where(empty, 0.0, o + x.v_mean.to(dtype).repeat_interleave(g, dim=1)[:, :, None, :])
+    lse = torch.where(empty, float("-inf"), (m + torch.log2(torch.where(empty, 1.0, ell))) * LN2).squeeze(-1)
+    return o, lse

@@ -1,0 +1,236 @@
+"""GPU fast paths of the quantized attention modes, registered with :mod:`quantpatch.dispatch`.
+
+Imported lazily by ``dispatch._load_fast_paths()`` on the first CUDA call (it imports
+Triton). Each numerics family gets one :class:`~quantpatch.dispatch.Implementation` whose
+``unsupported(call)`` names the first reason it cannot take a call (the caller then tries
+the reference, else falls back to SDPA with one warning).
+
+Custom ops (``torch.library.custom_op`` + ``register_fake``, so ``torch.compile`` traces
+through them; launched on the current stream):
+
+* ``quantpatch::quantize_qkv``: fused smoothing + quantization
+  (:func:`~quantpatch.kernels.qk_quant_triton.quantize_qkv`), returns the 10 tensors of
+  :class:`~quantpatch.kernels.qk_quant_triton.QuantizedQKV`;
+* ``quantpatch::attn_qk_int8_pv_fp8``: the attention kernel over them
+  (:func:`~quantpatch.kernels.attn_qk_int8_pv_fp8_triton.attn_qk_int8_pv_fp8`).
+
+Which path each mode takes: ``sage2-8b``/``sage2-4b`` (INT8 tensor cores, INT4 values for 4b),
+``int8-flash`` and ``fireq`` run these Triton kernels on sm_89/sm_90 (sm_80 for configs without
+FP8 operands); ``turbo`` (SAS exponential, per-tile P scale) has no kernel yet and runs the
+reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from quantpatch.config import AttentionConfig
+from quantpatch.dispatch import AttentionCall, Implementation, register
+
+from .attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
+from .qk_quant_triton import GRAN_IDS, QuantizedQKV, quantize_qkv
+from .quant_attention_ref import smooth_k_lse_shift
+
+HEAD_DIMS = (64, 128)
+KEY_BLOCK = 128  # the attention kernel's key block; K/V are padded to a multiple of it
+FP8_OPERANDS = ("fp8_e4m3",)
+
+
+# --------------------------------------------------------------------------- config mapping
+
+
+def quant_options(cfg: AttentionConfig) -> dict:
+    """Keyword arguments of ``quantize_qkv`` for an attention config."""
+    return dict(
+        qk_format=cfg.qk_format, qk_granularity=cfg.qk_granularity, qk_qmax=cfg.qk_qmax,
+        smooth_q=cfg.smooth_q, smooth_k=cfg.smooth_k, smooth_v=cfg.smooth_v,
+        pv_format=cfg.pv_format, pv_qmax=cfg.pv_qmax, v_granularity=cfg.v_granularity,
+        block_q=cfg.block_q, block_k=cfg.block_k, warps=cfg.warps, pad_to=max(KEY_BLOCK, cfg.block_k),
+    )
+
+
+def kernel_blocks(cfg: AttentionConfig, head_dim: int) -> dict:
+    """Tile sizes of the attention kernel (BLOCK_M must divide block_q for ΔS).
+
+    64 query rows per program with one warpgroup and a 3-stage K/V pipeline measured fastest on
+    an H200 (2 programs per SM overlap one's softmax with the other's MMAs; see
+    eval/results/bench_attention/NOTES.md).
+    """
+    block_m = 64 if not cfg.smooth_q or cfg.block_q % 64 == 0 else cfg.block_q
+    return dict(block_m=block_m, block_n=KEY_BLOCK, num_warps=4, num_stages=3)
+
+
+def config_unsupported(cfg: AttentionConfig) -> str | None:
+    """Why the Triton kernels cannot run ``cfg`` (None if they can)."""
+    if cfg.exp != "exact":
+        return f"exp={cfg.exp!r} (TurboAttention SAS) has no Triton kernel yet"
+    if cfg.p_from_block_max:
+        return "per-tile P scales (p_from_block_max) have no Triton kernel yet"
+    if cfg.emulate_fp22:
+        return "emulate_fp22 is a reference-only knob (the GPU accumulator is the real FP22)"
+    if cfg.qk_format not in ("int8", "int4", "fp8_e4m3"):
+        return f"qk_format={cfg.qk_format!r} not implemented by the kernels"
+    if cfg.qk_granularity not in GRAN_IDS:
+        return f"qk_granularity={cfg.qk_granularity!r} not implemented by the kernels"
+    if cfg.pv_format not in ("fp8_e4m3", "int8"):
+        return f"pv_format={cfg.pv_format!r} not implemented by the kernels"
+    if cfg.v_granularity == "block":
+        return "per-block V scales have no Triton kernel yet"
+    if cfg.smooth_v and cfg.v_granularity == "tensor":
+        return "smooth_v with a per-tensor V scale is not implemented by the kernels"
+    for name in ("block_q", "block_k"):
+        blk = getattr(cfg, name)
+        if blk < 16 or blk & (blk - 1):
+            return f"{name}={blk} is not a power of two >= 16"
+    if cfg.smooth_q and cfg.block_q < 64:
+        return f"smooth_q needs block_q >= 64 (got {cfg.block_q})"
+    if cfg.block_q * 128 > 128 * 128 * 2:
+        return f"block_q={cfg.block_q} too large for one quantization tile"
+    return None
+
+
+def call_unsupported(call: AttentionCall) -> str | None:
+    """Why the Triton path cannot take ``call`` (None if it can)."""
+    q, k, v, cfg = call.q, call.k, call.v, call.config
+    if not q.is_cuda:
+        return "inputs are not CUDA tensors"
+    if torch.version.hip is not None:
+        return "ROCm is not supported by these kernels"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if (major, minor) < (8, 0):
+        return f"compute capability {major}.{minor} < 8.0"
+    fp8 = cfg.qk_format in FP8_OPERANDS or cfg.pv_format in FP8_OPERANDS
+    if fp8 and (major, minor) < (8, 9):
+        return f"FP8 operands need compute capability >= 8.9, got {major}.{minor}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype} (the kernels take float16 / bfloat16)"
+    if q.shape[-1] not in HEAD_DIMS or v.shape[-1] != q.shape[-1]:
+        return f"head_dim {q.shape[-1]} / value dim {v.shape[-1]} (the kernels take {HEAD_DIMS})"
+    if call.attn_mask is not None:
+        return "attn_mask is not supported by the kernels (is_causal is)"
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return "head_dim is not the contiguous dimension"
+    return config_unsupported(cfg)
+
+
+# --------------------------------------------------------------------------- custom ops
+
+
+def _quantized_meta(q, k, *, qk_format, smooth_q, smooth_k, smooth_v, pv_format, v_granularity, block_q, block_k,
+                    pad_to) -> list[torch.Tensor]:
+    """Empty tensors shaped like :func:`quantize_qkv`'s outputs (for ``register_fake``)."""
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    nk_pad = math.ceil(nk / pad_to) * pad_to
+    nqb = math.ceil(nq / block_q)
+    qk_dtype = torch.float8_e4m3fn if qk_format == "fp8_e4m3" else torch.int8
+    v_dtype = torch.float8_e4m3fn if pv_format == "fp8_e4m3" else torch.int8
+
+    def new(shape, dtype=torch.float32):
+        return q.new_empty(shape, dtype=dtype)
+
+    v_scale_shape = {"channel": (b, hkv, d), "tensor": (1,), "block": (b, hkv, nk_pad // block_k)}[v_granularity]
+    return [
+        new((b, h, nq, d), qk_dtype), new((b, h, nq)), new((b, h, nqb, d) if smooth_q else (0,)),
+        new((b, hkv, nk_pad, d), qk_dtype), new((b, hkv, nk_pad)), new((b, hkv, d) if smooth_k else (0,)),
+        new((b, h, nqb, nk_pad) if smooth_q else (0,)), new((b, hkv, d, nk_pad), v_dtype),
+        new(v_scale_shape), new((b, hkv, d) if smooth_v else (0,)),
+    ]
+
+
+@torch.library.custom_op("quantpatch::quantize_qkv", mutates_args=())
+def quantize_qkv_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str, qk_granularity: str, qk_qmax: int,
+    smooth_q: bool, smooth_k: bool, smooth_v: bool, pv_format: str, pv_qmax: int, v_granularity: str,
+    block_q: int, block_k: int, warps: int, pad_to: int,
+) -> list[torch.Tensor]:
+    """Custom-op form of :func:`quantize_qkv` (returns the fields of ``QuantizedQKV`` as a list)."""
+    out = quantize_qkv(
+        q, k, v, qk_format=qk_format, qk_granularity=qk_granularity, qk_qmax=qk_qmax, smooth_q=smooth_q,
+        smooth_k=smooth_k, smooth_v=smooth_v, pv_format=pv_format, pv_qmax=pv_qmax, v_granularity=v_granularity,
+        block_q=block_q, block_k=block_k, warps=warps, pad_to=pad_to,
+    )
+    return list(out)
+
+
+@quantize_qkv_op.register_fake
+def _(q, k, v, qk_format, qk_granularity, qk_qmax, smooth_q, smooth_k, smooth_v, pv_format, pv_qmax, v_granularity,
+      block_q, block_k, warps, pad_to):
+    return _quantized_meta(q, k, qk_format=qk_format, smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v,
+                           pv_format=pv_format, v_granularity=v_granularity, block_q=block_q, block_k=block_k,
+                           pad_to=pad_to)
+
+
+@torch.library.custom_op("quantpatch::attn_qk_int8_pv_fp8", mutates_args=())
+def attn_qk_int8_pv_fp8_op(
+    q_hat: torch.Tensor, q_scale: torch.Tensor, q_mean: torch.Tensor, k_hat: torch.Tensor, k_scale: torch.Tensor,
+    k_mean: torch.Tensor, delta_s: torch.Tensor, v_hat_t: torch.Tensor, v_scale: torch.Tensor, v_mean: torch.Tensor,
+    nk: int, is_causal: bool, sm_scale: float, return_lse: bool, out_dtype: torch.dtype, block_q: int,
+    l_from_quantized_p: bool, two_level_accum: bool, block_m: int, block_n: int, num_warps: int, num_stages: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Custom-op form of :func:`attn_qk_int8_pv_fp8` over the fields of ``QuantizedQKV``."""
+    x = QuantizedQKV(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean)
+    return attn_qk_int8_pv_fp8(
+        x, nk, is_causal=is_causal, sm_scale=sm_scale, return_lse=return_lse, out_dtype=out_dtype, block_q=block_q,
+        l_from_quantized_p=l_from_quantized_p, two_level_accum=two_level_accum, block_m=block_m, block_n=block_n,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+@attn_qk_int8_pv_fp8_op.register_fake
+def _(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean, nk, is_causal, sm_scale,
+      return_lse, out_dtype, block_q, l_from_quantized_p, two_level_accum, block_m, block_n, num_warps, num_stages):
+    b, h, nq, d = q_hat.shape
+    lse_shape = (b, h, nq) if return_lse else (0,)
+    return q_hat.new_empty((b, h, nq, d), dtype=out_dtype), q_hat.new_empty(lse_shape, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- the implementation
+
+
+def quantized_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cfg: AttentionConfig,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+    blocks: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize then attend through the two custom ops.
+
+    Args:
+        q: ``(B, H, Nq, D)``; k, v: ``(B, Hkv, Nk, D)``, fp16/bf16, head_dim contiguous.
+        cfg: numerics (must pass :func:`config_unsupported`).
+        blocks: override of :func:`kernel_blocks` (benchmarks and tests).
+
+    Returns:
+        ``o (B, H, Nq, D)`` in ``q``'s dtype, ``lse (B, H, Nq)`` float32 (empty unless asked).
+    """
+    parts = quantize_qkv_op(q, k, v, **quant_options(cfg))
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    kb = kernel_blocks(cfg, q.shape[-1]) if blocks is None else blocks
+    o, lse = attn_qk_int8_pv_fp8_op(
+        *parts, k.shape[2], is_causal, sm_scale, return_lse, q.dtype, cfg.block_q, cfg.l_from_quantized_p,
+        cfg.two_level_accum, kb["block_m"], kb["block_n"], kb["num_warps"], kb["num_stages"],
+    )
+    if return_lse and cfg.smooth_k:  # the kernel's LSE is that of the K-smoothed scores
+        lse = lse + sm_scale * smooth_k_lse_shift(q.float(), parts[5])
+    return o, lse
+
+
+def _run(call: AttentionCall):
+    o, lse = quantized_attention(call.q, call.k, call.v, call.config, is_causal=call.is_causal, scale=call.scale,
+                                 return_lse=call.return_lse)
+    return (o, lse) if call.return_lse else o
+
+
+IMPLEMENTATION = Implementation("triton", 10, call_unsupported, _run)
+for _numerics in ("sage2", "int8_flash", "fireq", "turbo"):
+    register(_numerics, IMPLEMENTATION)
+
+__all__ = ["IMPLEMENTATION", "call_unsupported", "config_unsupported", "quantized_attention"]

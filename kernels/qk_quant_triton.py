@@ -1,0 +1,634 @@
+"""Fused Q/K/V preprocessing for the quantized attention kernels (Triton).
+
+One call turns bf16/fp16 ``q (B, H, Nq, D)``, ``k, v (B, Hkv, Nk, D)`` into the operands of
+``attn_qk_int8_pv_fp8``; every integer / FP8 value and every scale equals the one of
+``quant_ref.quantize_tokens`` / ``quant_attention_ref.quantize_v`` on the same smoothed input::
+
+    K̄ = mean_tokens(K)            γ(K) = K − K̄                          (smooth_k)
+    q̄_b = mean(Q rows of block b) γ(Q) = Q − q̄_b                        (smooth_q)
+    δ = absmax(group) / qmax (1 for an all-zero group)   X̂ = clamp(rne(X / δ), −qmax, qmax)
+    ΔS[b, j] = q̄_b · γ(K_j) = q̄_b · K_j − q̄_b · K̄    (fp32, one row of Nk per query block)
+    V̂ = e4m3(V / δV) or clamp(rne(V / δV), ±qmax),  δV = absmax_channel|tensor|block / vmax
+
+Launches: ``_quant_q_kernel`` (one pass over Q: block mean q̄, groups, quantization),
+``_kv_stats_kernel`` (a pass over K and V in 64-token programs: column-sum / max / min partials
+and the V absmax), ``_delta_s_kernel`` (ΔS_raw = q̄ · Kᵀ on the *raw* K, since K̄ spans all tokens),
+``_kv_finalize_kernel`` (one program per kv head reduces the partials in a fixed order: K̄, V̄,
+V channel scales) and ``_quant_kv_kernel`` (second pass over K and V: smooth and quantize K,
+quantize V and write it transposed). The attention kernel subtracts the row constant q̄_b · K̄
+from ΔS_raw, which leaves ΔS = q̄_b · γ(K_j) as in the reference (the mean is removed after the
+product: exact products, one fp32 cancellation of size |q̄ · K̄|).
+
+Numerics notes: divisions use ``tl.math.div_rn`` (IEEE, as PyTorch), rounding is
+round-half-even through the 1.5·2²³ trick (exact for |x| < 2²²; values here are ≤ qmax·(1+ε)),
+FP8 casts saturate to ±448 then round to nearest even (``cvt.rn.satfinite`` on the GPU; an
+exact emulation under ``TRITON_INTERPRET=1``, whose own FP8 cast rounds ties up).
+
+Layouts written (all contiguous): ``q_hat (B, H, Nq, D)``, ``q_scale (B, H, Nq)``,
+``k_hat (B, Hkv, Nk_pad, D)``, ``k_scale (B, Hkv, Nk_pad)`` (pad rows are 0), ``v_hat_t
+(B, Hkv, D, Nk_pad)``: V transposed, tokens contiguous, because Hopper's 8-bit wgmma reads
+both operands K-major; ``delta_s (B, H, ceil(Nq / block_q), Nk_pad)`` = q̄ · Kᵀ (raw K). ``Nk_pad`` rounds Nk
+up to the attention kernel's key block so its loads need no masks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .quant_ref import FP8_MAX, cast_fp8, quantize_symmetric, quantize_tokens, symmetric_scale, token_absmax
+
+# Integer ids of the string knobs (constexpr switches compile unused branches out).
+GRAN_IDS = {"token": 0, "block": 1, "warp": 2, "thread": 3}
+FMT_INT, FMT_FP8 = 0, 1
+V_NONE, V_CHANNEL, V_TENSOR, V_BLOCK = 0, 1, 2, 3
+V_GRAN_IDS = {"channel": V_CHANNEL, "tensor": V_TENSOR, "block": V_BLOCK}
+
+STATS_TILE = 64  # tokens per program (and per partial sum) of the K/V statistics pass
+DS_TUNING = dict(block_n=128, qb_tile=64, num_warps=4, num_stages=2)  # launch of the ΔS GEMM
+
+
+def interpreting() -> bool:
+    """True under the Triton CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# --------------------------------------------------------------------------- jit helpers
+
+
+@triton.jit
+def _rne(x):
+    """Round half to even for |x| < 2**22: adding 1.5·2²³ leaves no fraction bits (IEEE RN-even)."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _to_fp8e4m3(x, EMULATE: tl.constexpr):
+    """Saturating round-to-nearest-even cast to float8 e4m3fn.
+
+    On the GPU this is one ``cvt.rn.satfinite``; the interpreter's own cast rounds ties up and
+    mishandles subnormals, so there the value is first rounded onto the E4M3 grid exactly.
+    """
+    if EMULATE:
+        ax = tl.minimum(tl.abs(x), 448.0)
+        e = tl.maximum(((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # binade (subnormals: -6)
+        quantum = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2**(e - 3): 3 mantissa bits
+        r = tl.minimum(_rne(ax / quantum) * quantum, 448.0)
+        x = tl.where(x < 0, -r, r)
+    # on the GPU the cast itself is cvt.rn.satfinite: it saturates, no clamp needed
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _group_absmax(amax, T: tl.constexpr, GRAN: tl.constexpr, ROLE_Q: tl.constexpr, GBLOCK: tl.constexpr,
+                  WARPS: tl.constexpr):
+    """Absmax of each token's group (``quant_ref.token_group_index``) for a tile of ``T`` rows.
+
+    ``amax`` is the per-row absmax ``[T]`` of a tile starting at a multiple of ``GBLOCK``
+    (``T`` a multiple of ``GBLOCK`` or of its warp segment).
+    """
+    if GRAN == 0:  # token
+        out = amax
+    elif GRAN == 1 or (GRAN == 2 and not ROLE_Q):  # block (K's warp groups are its blocks)
+        g = tl.max(tl.reshape(amax, [T // GBLOCK, GBLOCK]), 1)
+        out = tl.reshape(tl.broadcast_to(g[:, None], [T // GBLOCK, GBLOCK]), [T])
+    elif GRAN == 2:  # warp: Q block split in WARPS segments
+        SEG: tl.constexpr = GBLOCK // WARPS
+        g = tl.max(tl.reshape(amax, [T // SEG, SEG]), 1)
+        out = tl.reshape(tl.broadcast_to(g[:, None], [T // SEG, SEG]), [T])
+    elif ROLE_Q:  # thread, Q: rows 8k + i of a warp segment share group i
+        SEG: tl.constexpr = GBLOCK // WARPS
+        g = tl.max(tl.reshape(amax, [T // SEG, SEG // 8, 8]), 1)
+        out = tl.reshape(tl.broadcast_to(g[:, None, :], [T // SEG, SEG // 8, 8]), [T])
+    else:  # thread, K: rows 8k + 2i and 8k + 2i + 1 of a block share group i
+        g = tl.max(tl.max(tl.reshape(amax, [T // GBLOCK, GBLOCK // 8, 4, 2]), 3), 1)
+        out = tl.reshape(tl.broadcast_to(g[:, None, :, None], [T // GBLOCK, GBLOCK // 8, 4, 2]), [T])
+    return out
+
+
+@triton.jit
+def _quantize_rows(x, gmax, QMAX: tl.constexpr, FMT: tl.constexpr, EMULATE: tl.constexpr):
+    """``(x̂, δ)`` for a tile ``x [T, D]`` (fp32) and its group absmax ``gmax [T]``."""
+    scale = tl.math.div_rn(gmax, QMAX)
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    y = tl.math.div_rn(x, scale[:, None])
+    if FMT == 0:
+        xq = tl.minimum(tl.maximum(_rne(y), -QMAX), QMAX).to(tl.int8)
+    else:
+        xq = _to_fp8e4m3(y, EMULATE)
+    return xq, scale
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _split_bf16(x):
+    """``x`` (fp32) as ``hi + mid + lo`` in bf16 (24 significant bits: exact up to rounding of ``lo``)."""
+    hi = x.to(tl.bfloat16)
+    r = x - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def _dot_bf16(a, b, acc, EMULATE: tl.constexpr):
+    """``acc + a · bᵀ`` for bf16 ``a``, ``b`` with fp32 accumulation (the interpreter's own bf16 dot
+    multiplies raw bit patterns, so there the exact bf16 values are widened to fp32 first)."""
+    if EMULATE:
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(b), acc)
+
+
+@triton.jit(do_not_specialize=["NK"])
+def _kv_stats_kernel(
+    K_ptr, V_ptr, KSUM_ptr, VSUM_ptr, VMAX_ptr, VMIN_ptr, VABS_ptr,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    NK, HKV, NCHUNK,
+    HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
+    DO_K: tl.constexpr, DO_VSUM: tl.constexpr, DO_VMINMAX: tl.constexpr, DO_VABS: tl.constexpr,
+):
+    """Per (kv head, TILE tokens): column-sum partials of K and V, column max/min partials of V,
+    and the global absmax of V (atomic max: order-free, exact)."""
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)  # offsets of large tensors exceed int32
+    b = pid_bh // HKV
+    hk = pid_bh % HKV
+    rows = pid_c * TILE + tl.arange(0, TILE)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = rows[:, None] < NK
+    out = (pid_bh * NCHUNK + pid_c) * HEAD_DIM + offs_d
+    if DO_K:
+        kt = tl.load(K_ptr + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn + offs_d[None, :],
+                     mask=mask, other=0.0).to(tl.float32)
+        tl.store(KSUM_ptr + out, tl.sum(kt, 0))
+    if DO_VSUM or DO_VMINMAX or DO_VABS:
+        vt = tl.load(V_ptr + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn + offs_d[None, :],
+                     mask=mask, other=0.0).to(tl.float32)
+        v_max = tl.max(tl.where(mask, vt, float("-inf")), 0)
+        v_min = tl.min(tl.where(mask, vt, float("inf")), 0)
+        if DO_VSUM:
+            tl.store(VSUM_ptr + out, tl.sum(vt, 0))
+        if DO_VMINMAX:
+            tl.store(VMAX_ptr + out, v_max)
+            tl.store(VMIN_ptr + out, v_min)
+        if DO_VABS:
+            tl.atomic_max(VABS_ptr, tl.max(tl.maximum(v_max, -v_min), 0))
+
+
+@triton.jit(do_not_specialize=["NK"])
+def _delta_s_kernel(
+    K_ptr, QM_ptr, DS_ptr,
+    stride_kb, stride_kh, stride_kn,
+    NK, NK_PAD, HKV, GROUP, NQB,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QB_TILE: tl.constexpr, K_BF16: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """ΔS_raw[b, h, qb, j] = q̄[b, h, qb] · K[b, h // G, j] for BLOCK_N keys and every query block.
+
+    A small GEMM (M = query blocks, N = keys, K = head_dim) on the raw K, whose mean is not known
+    yet; the attention kernel subtracts the row constant q̄ · K̄. It runs on bf16 tensor cores over
+    exact splits (q̄ = hi + mid + lo; K exact in bf16, or hi + lo from fp16): every product is
+    exact, the sums are fp32.
+    """
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)  # offsets of large tensors exceed int32
+    b = pid_bh // HKV
+    hk = pid_bh % HKV
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_in = tl.load(K_ptr + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn + offs_d[None, :],
+                   mask=rows[:, None] < NK, other=0.0)
+    if K_BF16:
+        k_hi = k_in
+        k_lo = k_in  # unused
+    else:
+        kt = k_in.to(tl.float32)
+        k_hi = kt.to(tl.bfloat16)
+        k_lo = (kt - k_hi.to(tl.float32)).to(tl.bfloat16)
+    offs_qb = tl.arange(0, QB_TILE)
+    for g in range(GROUP):
+        bh_q = b * HKV * GROUP + hk * GROUP + g
+        for qb0 in range(0, NQB, QB_TILE):
+            qb = qb0 + offs_qb
+            qm = tl.load(QM_ptr + (bh_q * NQB + qb[:, None]) * HEAD_DIM + offs_d[None, :],
+                         mask=qb[:, None] < NQB, other=0.0)
+            q_hi, q_mid, q_lo = _split_bf16(qm)
+            ds = _dot_bf16(q_hi, k_hi, tl.zeros([QB_TILE, BLOCK_N], dtype=tl.float32), EMULATE)
+            ds = _dot_bf16(q_mid, k_hi, ds, EMULATE)
+            ds = _dot_bf16(q_lo, k_hi, ds, EMULATE)
+            if not K_BF16:
+                ds = _dot_bf16(q_hi, k_lo, ds, EMULATE)
+                ds = _dot_bf16(q_mid, k_lo, ds, EMULATE)
+                ds = _dot_bf16(q_lo, k_lo, ds, EMULATE)
+            tl.store(DS_ptr + (bh_q * NQB + qb[:, None]) * NK_PAD + rows[None, :], ds, mask=qb[:, None] < NQB)
+
+
+@triton.jit
+def _kv_finalize_kernel(
+    KSUM_ptr, VSUM_ptr, VMAX_ptr, VMIN_ptr, KM_ptr, VM_ptr, VS_ptr,
+    NCHUNK, NK_F,
+    HEAD_DIM: tl.constexpr, RTILE: tl.constexpr, V_QMAX: tl.constexpr,
+    SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, V_CHANNEL: tl.constexpr,
+):
+    """Per kv head: reduce the statistics partials in a fixed order (deterministic) into K̄, V̄ and
+    the per-channel V scale absmax(V − V̄) / vmax (1 for an all-zero channel)."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    offs_c = tl.arange(0, RTILE)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = pid_bh * NCHUNK * HEAD_DIM
+    k_sum = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    v_sum = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    v_max = tl.full([HEAD_DIM], float("-inf"), dtype=tl.float32)
+    v_min = tl.full([HEAD_DIM], float("inf"), dtype=tl.float32)
+    for c0 in range(0, NCHUNK, RTILE):
+        ptrs = base + (c0 + offs_c)[:, None] * HEAD_DIM + offs_d[None, :]
+        m = (c0 + offs_c)[:, None] < NCHUNK
+        if SMOOTH_K:
+            k_sum += tl.sum(tl.load(KSUM_ptr + ptrs, mask=m, other=0.0), 0)
+        if SMOOTH_V:
+            v_sum += tl.sum(tl.load(VSUM_ptr + ptrs, mask=m, other=0.0), 0)
+        if V_CHANNEL:
+            v_max = tl.maximum(v_max, tl.max(tl.load(VMAX_ptr + ptrs, mask=m, other=float("-inf")), 0))
+            v_min = tl.minimum(v_min, tl.min(tl.load(VMIN_ptr + ptrs, mask=m, other=float("inf")), 0))
+    if SMOOTH_K:
+        tl.store(KM_ptr + pid_bh * HEAD_DIM + offs_d, tl.math.div_rn(k_sum, NK_F))
+    if SMOOTH_V:
+        v_mean = tl.math.div_rn(v_sum, NK_F)
+        tl.store(VM_ptr + pid_bh * HEAD_DIM + offs_d, v_mean)
+    if V_CHANNEL:
+        # |v − v̄| peaks at the channel max or min (fp32 subtraction is monotonic)
+        if SMOOTH_V:
+            amax = tl.maximum(v_max - v_mean, v_mean - v_min)
+        else:
+            amax = tl.maximum(v_max, -v_min)
+        v_scale = tl.math.div_rn(amax, V_QMAX)
+        tl.store(VS_ptr + pid_bh * HEAD_DIM + offs_d, tl.where(v_scale == 0.0, 1.0, v_scale))
+
+
+@triton.jit(do_not_specialize=["N"])
+def _quant_q_kernel(
+    X_ptr, XQ_ptr, XS_ptr, XM_ptr,
+    stride_xb, stride_xh, stride_xn,
+    N, H, NB,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, GRAN: tl.constexpr, WARPS: tl.constexpr, QMAX: tl.constexpr,
+    FMT: tl.constexpr, SMOOTH: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """One query block of BLOCK (= block_q) rows: optional block-mean smoothing, grouped quantization."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)  # offsets of large tensors exceed int32
+    b = pid_bh // H
+    h = pid_bh % H
+    rows = pid_n * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = rows[:, None] < N
+    x = tl.load(X_ptr + b * stride_xb + h * stride_xh + rows[:, None] * stride_xn + offs_d[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    if SMOOTH:
+        count = tl.minimum(N - pid_n * BLOCK, BLOCK).to(tl.float32)
+        mean = tl.math.div_rn(tl.sum(x, 0), count)
+        tl.store(XM_ptr + (pid_bh * NB + pid_n) * HEAD_DIM + offs_d, mean)
+        x = tl.where(mask, x - mean[None, :], 0.0)
+    gmax = _group_absmax(tl.max(tl.abs(x), 1), BLOCK, GRAN, True, BLOCK, WARPS)
+    xq, scale = _quantize_rows(x, gmax, QMAX, FMT, EMULATE)
+    tl.store(XQ_ptr + (pid_bh * N + rows[:, None]) * HEAD_DIM + offs_d[None, :], xq, mask=mask)
+    tl.store(XS_ptr + pid_bh * N + rows, scale, mask=rows < N)
+
+
+@triton.jit(do_not_specialize=["NK"])
+def _quant_kv_kernel(
+    K_ptr, V_ptr, KQ_ptr, KS_ptr, KM_ptr, VT_ptr, VS_ptr, VM_ptr, VABS_ptr,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    NK, NK_PAD, HKV, NKB,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, GBLOCK: tl.constexpr, GRAN: tl.constexpr, QMAX: tl.constexpr,
+    K_FMT: tl.constexpr, SMOOTH_K: tl.constexpr,
+    V_MODE: tl.constexpr, V_FMT: tl.constexpr, V_QMAX: tl.constexpr, SMOOTH_V: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """BLOCK key rows of one kv head (rows past Nk, up to Nk_pad, are written as zeros):
+    smooth + quantize K, quantize V and write it transposed (statistics from the finalize pass)."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)  # offsets of large tensors exceed int32
+    b = pid_bh // HKV
+    hk = pid_bh % HKV
+    rows = pid_n * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    valid = rows[:, None] < NK
+
+    k = tl.load(K_ptr + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn + offs_d[None, :],
+                mask=valid, other=0.0).to(tl.float32)
+    if SMOOTH_K:
+        k = tl.where(valid, k - tl.load(KM_ptr + pid_bh * HEAD_DIM + offs_d)[None, :], 0.0)
+    gmax = _group_absmax(tl.max(tl.abs(k), 1), BLOCK, GRAN, False, GBLOCK, 1)
+    kq, k_scale = _quantize_rows(k, gmax, QMAX, K_FMT, EMULATE)
+    tl.store(KQ_ptr + (pid_bh * NK_PAD + rows[:, None]) * HEAD_DIM + offs_d[None, :], kq)
+    tl.store(KS_ptr + pid_bh * NK_PAD + rows, tl.where(rows < NK, k_scale, 0.0))
+
+    if V_MODE != 0:  # V, written transposed: VT[b, hk, d, token]
+        v = tl.load(V_ptr + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn + offs_d[None, :],
+                    mask=valid, other=0.0).to(tl.float32)
+        if SMOOTH_V:
+            v = tl.where(valid, v - tl.load(VM_ptr + pid_bh * HEAD_DIM + offs_d)[None, :], 0.0)
+        if V_MODE == 1:  # per channel (scale from the finalize pass)
+            y = tl.math.div_rn(v, tl.load(VS_ptr + pid_bh * HEAD_DIM + offs_d)[None, :])
+        elif V_MODE == 2:  # one scale for the whole tensor
+            v_scale = tl.math.div_rn(tl.load(VABS_ptr), V_QMAX)
+            v_scale = tl.where(v_scale == 0.0, 1.0, v_scale)
+            if (pid_n == 0) & (pid_bh == 0):
+                tl.store(VS_ptr, v_scale)
+            y = tl.math.div_rn(v, v_scale)
+        else:  # one scale per BLOCK tokens (BLOCK = block_k)
+            v_scale = tl.math.div_rn(tl.max(tl.max(tl.abs(v), 1), 0), V_QMAX)
+            v_scale = tl.where(v_scale == 0.0, 1.0, v_scale)
+            tl.store(VS_ptr + pid_bh * NKB + pid_n, v_scale)
+            y = tl.math.div_rn(v, v_scale)
+        if V_FMT == 0:
+            vq = tl.minimum(tl.maximum(_rne(y), -V_QMAX), V_QMAX).to(tl.int8)
+        else:
+            vq = _to_fp8e4m3(y, EMULATE)
+        tl.store(VT_ptr + (pid_bh * HEAD_DIM + offs_d[None, :]) * NK_PAD + rows[:, None], vq)
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+class QuantizedQKV(NamedTuple):
+    """Operands of the quantized attention kernels (see the module docstring for layouts).
+
+    Unused fields are empty tensors (custom ops return tensors only).
+    """
+
+    q_hat: torch.Tensor
+    q_scale: torch.Tensor
+    q_mean: torch.Tensor
+    k_hat: torch.Tensor
+    k_scale: torch.Tensor
+    k_mean: torch.Tensor
+    delta_s: torch.Tensor
+    v_hat_t: torch.Tensor
+    v_scale: torch.Tensor
+    v_mean: torch.Tensor
+
+
+def _fmt_id(fmt: str) -> int:
+    if fmt in ("int8", "int4"):
+        return FMT_INT
+    if fmt == "fp8_e4m3":
+        return FMT_FP8
+    raise ValueError(f"unsupported operand format {fmt!r}; the kernels take int8, int4 or fp8_e4m3")
+
+
+def _check_inputs(q, k, v):
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"expected q (B, H, Nq, D), k/v (B, Hkv, Nk, D); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share dtype float16 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[-1] not in (64, 128) or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"head_dim must be 64 or 128 for q and k, got {q.shape[-1]}, {k.shape[-1]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
+
+
+def quantize_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    qk_format: str = "int8",
+    qk_granularity: str = "thread",
+    qk_qmax: int = 127,
+    smooth_q: bool = True,
+    smooth_k: bool = True,
+    smooth_v: bool = False,
+    pv_format: str = "fp8_e4m3",
+    pv_qmax: int = 127,
+    v_granularity: str = "channel",
+    block_q: int = 128,
+    block_k: int = 64,
+    warps: int = 4,
+    pad_to: int = 128,
+) -> QuantizedQKV:
+    """Quantize ``q (B, H, Nq, D)``, ``k, v (B, Hkv, Nk, D)`` (fp16/bf16, last dim contiguous).
+
+    Args mirror :class:`quantpatch.config.AttentionConfig`; ``pad_to`` is the key block of the
+    attention kernel (``Nk_pad = ceil(Nk / pad_to) · pad_to``, a multiple of ``block_k``).
+
+    Returns:
+        :class:`QuantizedQKV` on ``q``'s device, launched on the current stream.
+    """
+    _check_inputs(q, k, v)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    if qk_granularity not in GRAN_IDS:
+        raise ValueError(f"qk_granularity {qk_granularity!r} not supported by the kernels; valid: {list(GRAN_IDS)}")
+    for name, blk in (("block_q", block_q), ("block_k", block_k)):
+        if blk & (blk - 1) or blk < 16:
+            raise ValueError(f"{name}={blk} must be a power of two >= 16")
+    if pad_to % block_k:
+        raise ValueError(f"pad_to={pad_to} must be a multiple of block_k={block_k}")
+    qk_fmt = _fmt_id(qk_format)
+    v_fmt = _fmt_id(pv_format)
+    q_max = FP8_MAX["fp8_e4m3"] if qk_fmt == FMT_FP8 else float(qk_qmax)
+    v_max = FP8_MAX["fp8_e4m3"] if v_fmt == FMT_FP8 else float(pv_qmax)
+    v_mode = V_GRAN_IDS[v_granularity]
+    dev = q.device
+    f32 = dict(device=dev, dtype=torch.float32)
+    qk_dtype = torch.int8 if qk_fmt == FMT_INT else torch.float8_e4m3fn
+    v_dtype = torch.int8 if v_fmt == FMT_INT else torch.float8_e4m3fn
+    nk_pad = triton.cdiv(nk, pad_to) * pad_to
+    nqb = triton.cdiv(nq, block_q)
+    nkb = nk_pad // block_k
+    emulate = interpreting()
+    empty = torch.empty(0, **f32)
+
+    need_vsum = smooth_v
+    need_vminmax = v_mode == V_CHANNEL
+    need_vabs = v_mode == V_TENSOR
+    if smooth_v and v_mode == V_TENSOR:
+        raise ValueError("smooth_v with a per-tensor V scale is not supported by the kernels")
+
+    # 1. Q: block mean, smoothing, grouped quantization (q̄ is needed by the ΔS pass)
+    q_hat = torch.empty((b, h, nq, d), device=dev, dtype=qk_dtype)
+    q_scale = torch.empty((b, h, nq), **f32)
+    q_mean = torch.empty((b, h, nqb, d), **f32) if smooth_q else torch.empty(0, **f32)
+    _quant_q_kernel[(nqb, b * h)](
+        q, q_hat, q_scale, q_mean,
+        q.stride(0), q.stride(1), q.stride(2),
+        nq, h, nqb,
+        HEAD_DIM=d, BLOCK=block_q, GRAN=GRAN_IDS[qk_granularity], WARPS=warps, QMAX=q_max,
+        FMT=qk_fmt, SMOOTH=smooth_q, EMULATE=emulate,
+        num_warps=8 if block_q * d >= 128 * 128 else 4,
+    )
+
+    # 2. statistics partials of K and V; ΔS_raw = q̄ · Kᵀ
+    nchunk = triton.cdiv(nk, STATS_TILE)
+    ksum = torch.empty(b * hkv * nchunk * d, **f32) if smooth_k else empty
+    vsum = torch.empty(b * hkv * nchunk * d, **f32) if need_vsum else empty
+    vmax = torch.empty(b * hkv * nchunk * d, **f32) if need_vminmax else empty
+    vmin = torch.empty(b * hkv * nchunk * d, **f32) if need_vminmax else empty
+    vabs = torch.zeros(1, **f32) if need_vabs else empty
+    if smooth_k or need_vsum or need_vminmax or need_vabs:
+        _kv_stats_kernel[(nchunk, b * hkv)](
+            k, v, ksum, vsum, vmax, vmin, vabs,
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            nk, hkv, nchunk,
+            HEAD_DIM=d, TILE=STATS_TILE,
+            DO_K=smooth_k, DO_VSUM=need_vsum, DO_VMINMAX=need_vminmax, DO_VABS=need_vabs,
+            num_warps=4,
+        )
+    # columns past ceil(Nk / DS_BLOCK_N) · DS_BLOCK_N are left unwritten (the attention kernel masks them)
+    delta_s = torch.empty((b, h, nqb, nk_pad), **f32) if smooth_q else torch.empty(0, **f32)
+    if smooth_q:
+        ds_block = min(DS_TUNING["block_n"], pad_to)
+        _delta_s_kernel[(triton.cdiv(nk, ds_block), b * hkv)](
+            k, q_mean, delta_s,
+            k.stride(0), k.stride(1), k.stride(2),
+            nk, nk_pad, hkv, h // hkv, nqb,
+            HEAD_DIM=d, BLOCK_N=ds_block, QB_TILE=16 if emulate else DS_TUNING["qb_tile"],
+            K_BF16=k.dtype == torch.bfloat16,
+            EMULATE=emulate, num_warps=DS_TUNING["num_warps"], num_stages=DS_TUNING["num_stages"],
+        )
+
+    # 3. reduce the partials once per kv head: K̄, V̄, per-channel V scale
+    k_mean = torch.empty((b, hkv, d), **f32) if smooth_k else torch.empty(0, **f32)
+    v_mean = torch.empty((b, hkv, d), **f32) if smooth_v else torch.empty(0, **f32)
+    if v_mode == V_CHANNEL:
+        v_scale = torch.empty((b, hkv, d), **f32)
+    elif v_mode == V_BLOCK:
+        v_scale = torch.empty((b, hkv, nkb), **f32)
+    else:
+        v_scale = torch.empty(1, **f32)
+    if smooth_k or smooth_v or v_mode == V_CHANNEL:
+        _kv_finalize_kernel[(b * hkv,)](
+            ksum, vsum, vmax, vmin, k_mean, v_mean, v_scale,
+            nchunk, float(nk),
+            HEAD_DIM=d, RTILE=32, V_QMAX=v_max,
+            SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, V_CHANNEL=v_mode == V_CHANNEL,
+            num_warps=4,
+        )
+
+    # 4. K and V
+    k_hat = torch.empty((b, hkv, nk_pad, d), device=dev, dtype=qk_dtype)
+    k_scale = torch.empty((b, hkv, nk_pad), **f32)
+    v_hat_t = torch.empty((b, hkv, d, nk_pad), device=dev, dtype=v_dtype)
+    _quant_kv_kernel[(nkb, b * hkv)](
+        k, v, k_hat, k_scale, k_mean, v_hat_t, v_scale, v_mean, vabs,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        nk, nk_pad, hkv, nkb,
+        HEAD_DIM=d, BLOCK=block_k, GBLOCK=block_k, GRAN=GRAN_IDS[qk_granularity], QMAX=q_max,
+        K_FMT=qk_fmt, SMOOTH_K=smooth_k,
+        V_MODE=v_mode, V_FMT=v_fmt, V_QMAX=v_max, SMOOTH_V=smooth_v, EMULATE=emulate,
+        num_warps=4,
+    )
+    return QuantizedQKV(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean)
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def quantize_qkv_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    qk_format: str = "int8",
+    qk_granularity: str = "thread",
+    qk_qmax: int = 127,
+    smooth_q: bool = True,
+    smooth_k: bool = True,
+    smooth_v: bool = False,
+    pv_format: str = "fp8_e4m3",
+    pv_qmax: int = 127,
+    v_granularity: str = "channel",
+    block_q: int = 128,
+    block_k: int = 64,
+    warps: int = 4,
+    pad_to: int = 128,
+    means: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> QuantizedQKV:
+    """:func:`quantize_qkv` in plain PyTorch through ``quant_ref`` (same layouts and padding).
+
+    ``dtype`` is float32 by default, the kernels' arithmetic, so integer and FP8 outputs match
+    bit for bit; float64 gives the ideal quantizer. ``means = (q_mean, k_mean, v_mean)`` (the
+    kernel's, shaped as in :class:`QuantizedQKV`) replaces the reference's own means: a mean
+    is a sum whose rounding depends on the summation order, while everything after it is exact.
+    """
+    from .quant_attention_ref import block_mean
+
+    _check_inputs(q, k, v)
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    nk_pad = triton.cdiv(nk, pad_to) * pad_to
+    qf, kf, vf = (t.to(dtype) for t in (q, k, v))
+    qm_in, km_in, vm_in = means if means is not None else (None, None, None)
+    empty = torch.empty(0, device=q.device, dtype=dtype)
+    if qk_format == "fp8_e4m3":
+        def quant(x, role, blk):
+            absmax = token_absmax(x, qk_granularity, role=role, block=blk, warps=warps)
+            scale = symmetric_scale(absmax, FP8_MAX["fp8_e4m3"])
+            return cast_fp8(x / scale, "fp8_e4m3").to(torch.float8_e4m3fn), scale
+    else:
+        def quant(x, role, blk):
+            xq, scale = quantize_tokens(x, qk_granularity, role=role, qmax=qk_qmax, block=blk, warps=warps)
+            return xq.to(torch.int8), scale
+
+    q_mean = empty
+    if smooth_q:
+        if qm_in is None:
+            q_mean = block_mean(qf, block_q)[..., ::block_q, :].contiguous()
+        else:
+            q_mean = qm_in.to(dtype)
+        qf = qf - q_mean.repeat_interleave(block_q, dim=-2)[..., :nq, :]
+    q_hat, q_scale = quant(qf, "q", block_q)
+
+    k_raw = kf
+    k_mean = empty
+    if smooth_k:
+        k_mean = kf.mean(dim=-2) if km_in is None else km_in.to(dtype)
+        kf = kf - k_mean.unsqueeze(-2)
+    k_hat, k_scale = quant(kf, "k", block_k)
+    pad = nk_pad - nk
+    k_hat = torch.nn.functional.pad(k_hat.view(torch.int8), (0, 0, 0, pad)).view(k_hat.dtype)
+    k_scale = torch.nn.functional.pad(k_scale.squeeze(-1), (0, pad))
+
+    delta_s = empty
+    if smooth_q:
+        g = h // hkv
+        delta_s = torch.matmul(q_mean, k_raw.repeat_interleave(g, dim=1).transpose(-1, -2))
+        delta_s = torch.nn.functional.pad(delta_s, (0, pad))
+
+    v_mean = empty
+    if smooth_v:
+        v_mean = vf.mean(dim=-2) if vm_in is None else vm_in.to(dtype)
+        vf = vf - v_mean.unsqueeze(-2)
+    v_max = FP8_MAX["fp8_e4m3"] if pv_format == "fp8_e4m3" else float(pv_qmax)
+    if v_granularity == "channel":
+        absmax = vf.abs().amax(dim=-2, keepdim=True)
+    elif v_granularity == "tensor":
+        absmax = vf.abs().amax().reshape(1, 1, 1, 1)
+    else:
+        absmax = token_absmax(vf, "block", role="k", block=block_k)
+    v_scale_full = symmetric_scale(absmax, v_max)
+    y = vf / v_scale_full
+    if pv_format == "fp8_e4m3":
+        v_hat = cast_fp8(y, "fp8_e4m3").to(torch.float8_e4m3fn)
+    else:
+        v_hat = quantize_symmetric(y, torch.ones((), dtype=dtype, device=q.device), pv_qmax).to(torch.int8)
+    v_hat_t = torch.nn.functional.pad(v_hat.view(torch.int8).transpose(-1, -2), (0, pad)).view(v_hat.dtype)
+    if v_granularity == "channel":
+        v_scale = v_scale_full.squeeze(-2)
+    elif v_granularity == "tensor":
+        v_scale = v_scale_full.reshape(1)
+    else:
+        per_block = v_scale_full[..., ::block_k, 0]
+        v_scale = torch.nn.functional.pad(per_block, (0, nk_pad // block_k - per_block.shape[-1]), value=1.0)
+    return QuantizedQKV(q_hat, q_scale.squeeze(-1), q_mean, k_hat, k_scale, k_mean, delta_s,
+                        v_hat_t.contiguous(), v_scale, v_mean)

@@ -1,0 +1,273 @@
+"""Triton attention kernels against the mode references.
+
+Without CUDA the kernels run in the Triton interpreter (``conftest.py``) on small shapes; on a
+GPU the same tests run compiled, plus the ``gpu``-marked larger shapes.
+
+What is checked, and the bounds (one table below):
+* quantization (``quantize_qkv``): every INT8 / INT4-range / FP8 value and every scale equals
+  ``quant_ref`` on the same smoothed input, bit for bit. The means (K̄, q̄, V̄) are sums whose
+  rounding depends on the summation order, so the reference is given the kernel's means and
+  they are checked separately to float32 rounding; ΔS_raw = q̄·Kᵀ is a float dot (exact
+  products, fp32 sums), checked to 1e-5 of its largest magnitude. The reference runs on the
+  CPU: on CUDA, PyTorch divides by a Python scalar through a multiply by its reciprocal, so
+  ``absmax / qmax`` there is not the IEEE quotient that the kernels (and the CPU) compute.
+* attention with the reference's key block (``block_n = block_k``): the same P̃ blocks, so the
+  only differences are exp2-vs-exp and summation-order rounding (which can flip an FP8/INT8
+  rounding of P̃ at a tie, rarely) and the output rounding to fp16/bf16: rel-L1 ≤ OUT_TOL.
+  OUT_TOL is 4× the rel-L1 that rounding the output alone gives (fp16 1.8e-4, bf16 1.4e-3,
+  2.8e-3 in the interpreter, whose fp32→bf16 cast truncates). FP8 Q·Kᵀ on the GPU (fireq)
+  accumulates in Hopper's FP22 register, which the reference does not model: measured up to
+  2.5e-3 at fp16, bound OUT_TOL_FP8_QK = 4e-3.
+* attention with the production key block (128 ≠ block_k = 64): P̃ is rounded after a
+  different running max, a different draw of the same FP8 noise, so the kernel must be as
+  accurate as the reference against float64: err(kernel) ≤ NOISE_FACTOR · err(ref) + OUT_TOL.
+* LSE to 1e-4 absolute (float32 softmax; ℓ ≥ 1), −inf exactly where a row sees no key. Two
+  modes get their own bound. FP8 Q·Kᵀ (fireq): Hopper's FP8 MMA accumulates in FP22 (13
+  mantissa bits, truncated), |ΔS| ≲ 2⁻¹³·Σ|q̂k̂|·scale; measured ≤ 5.5e-4, bound 2e-3. ℓ
+  summed from the INT8 P (int8-flash): each P̂ is rounded by up to 0.5/127 and, with other key
+  blocks than the reference's, after another running max, so ℓ moves by ~√(Nk/12)/127;
+  measured ≤ 0.016 at Nk = 1000, bound 0.03.
+"""
+
+import math
+
+import pytest
+import torch
+
+from quantpatch.kernels.attention_ref import attention_exact
+from quantpatch.kernels.quant_attention_ref import quant_attention_ref
+from quantpatch.metrics import rel_l1
+from quantpatch.modes import get_mode
+from quantpatch.synthetic import attention_inputs
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on the device machine)")
+
+# Tolerance table (see the module docstring for where each number comes from).
+OUT_TOL = {torch.float16: 1e-3, torch.bfloat16: 1.2e-2}
+NOISE_FACTOR = 1.25
+OUT_TOL_FP8_QK = 4e-3
+LSE_ATOL = 1e-4
+LSE_ATOL_FP8_QK = 2e-3
+LSE_ATOL_L_FROM_P = 3e-2
+DELTA_S_RTOL = 1e-5
+MEAN_RTOL = 1e-5
+
+MODES = ["sage2-8b", "sage2-4b", "int8-flash", "fireq"]
+# Small shapes for the interpreter: odd lengths and tails, GQA 4/2, q_len < kv_len and >.
+SMALL_SHAPES = [(17, 113), (113, 17), (1, 1), (113, 113)]
+EXACT_BLOCKS = dict(block_m=64, block_n=64, num_warps=4, num_stages=1)
+
+
+def _inputs(nq, nk, *, d=64, heads=4, kv_heads=2, batch=1, dtype=torch.float16, kind="randn", seed=0):
+    q, k, v = attention_inputs(kind, batch=batch, heads=heads, kv_heads=kv_heads, seq_q=nq, seq_k=nk,
+                               head_dim=d, seed=seed)
+    return tuple(t.to(device=DEVICE, dtype=dtype) for t in (q, k, v))
+
+
+def _quant_kw(mode):
+    from quantpatch.kernels.fast_paths import quant_options
+
+    return quant_options(get_mode(mode).attention)
+
+
+def _check_quantization(q, k, v, kw):
+    from quantpatch.kernels.qk_quant_triton import QuantizedQKV, quantize_qkv, quantize_qkv_ref
+
+    out = QuantizedQKV(*(t.cpu() for t in quantize_qkv(q, k, v, **kw)))
+    q, k, v = q.cpu(), k.cpu(), v.cpu()
+    means = tuple(t if t.numel() else None for t in (out.q_mean, out.k_mean, out.v_mean))
+    ref = quantize_qkv_ref(q, k, v, **kw, means=means)
+    own = quantize_qkv_ref(q, k, v, **kw)
+    for name in ("q_hat", "q_scale", "k_hat", "k_scale", "v_hat_t", "v_scale"):
+        a, r = getattr(out, name), getattr(ref, name)
+        if a.dtype == torch.float8_e4m3fn:
+            a, r = a.view(torch.int8), r.view(torch.int8)
+        assert a.shape == r.shape, name
+        assert torch.equal(a, r.to(a.dtype)), f"{name}: {(a != r.to(a.dtype)).sum().item()} values differ"
+    for name in ("q_mean", "k_mean", "v_mean"):
+        a, r = getattr(out, name), getattr(own, name)
+        assert a.shape == r.shape, name
+        torch.testing.assert_close(a, r, rtol=MEAN_RTOL, atol=MEAN_RTOL * (r.abs().max().item() if r.numel() else 1))
+    if ref.delta_s.numel():
+        nk = k.shape[2]
+        scale = ref.delta_s.abs().max().item() + 1e-30
+        torch.testing.assert_close(out.delta_s[..., :nk], ref.delta_s[..., :nk], rtol=0, atol=DELTA_S_RTOL * scale)
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("nq, nk", SMALL_SHAPES[:3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_quantization_bit_exact(mode, nq, nk, dtype):
+    q, k, v = _inputs(nq, nk, dtype=dtype, kind="outliers", seed=nq + nk)
+    _check_quantization(q, k, v, _quant_kw(mode))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(qk_granularity="token"),
+        dict(qk_granularity="block"),
+        dict(qk_granularity="warp"),
+        dict(smooth_v=True),
+        dict(smooth_q=False, smooth_k=False),
+        dict(pv_format="int8", v_granularity="channel"),
+    ],
+    ids=["token", "block", "warp", "smooth_v", "no_smoothing", "v_int8_channel"],
+)
+def test_quantization_variants_bit_exact(options):
+    q, k, v = _inputs(113, 113, kind="outliers", seed=7)
+    kw = {**_quant_kw("sage2-8b"), **options}
+    _check_quantization(q, k, v, kw)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _attention(q, k, v, cfg, *, is_causal, blocks=None):
+    from quantpatch.kernels.fast_paths import quantized_attention
+
+    return quantized_attention(q, k, v, cfg, is_causal=is_causal, return_lse=True, blocks=blocks)
+
+
+def _check_attention(q, k, v, mode, *, is_causal, blocks, dtype):
+    cfg = get_mode(mode).attention if isinstance(mode, str) else mode
+    o, lse = _attention(q, k, v, cfg, is_causal=is_causal, blocks=blocks)
+    assert o.dtype == dtype and o.shape == q.shape and lse.shape == q.shape[:3]
+    assert torch.isfinite(o).all()
+    o, lse = o.cpu(), lse.cpu()
+    q, k, v = q.cpu(), k.cpu(), v.cpu()  # the reference's own quantizer is exact on the CPU only
+    o_ref, lse_ref = quant_attention_ref(q, k, v, cfg, is_causal=is_causal, return_lse=True)
+    empty = torch.isinf(lse_ref)
+    assert torch.equal(torch.isinf(lse), empty)
+    if (~empty).any():
+        atol = LSE_ATOL_L_FROM_P if cfg.l_from_quantized_p else LSE_ATOL
+        atol = max(atol, LSE_ATOL_FP8_QK) if cfg.qk_format.startswith("fp8") and CUDA else atol
+        assert (lse - lse_ref)[~empty].abs().max().item() <= atol
+    tol = OUT_TOL[dtype]
+    if cfg.qk_format.startswith("fp8") and CUDA:
+        tol = max(tol, OUT_TOL_FP8_QK)
+    if blocks is EXACT_BLOCKS:
+        err = rel_l1(o.float(), o_ref)
+        assert err <= tol, f"rel-L1 vs reference {err:.2e} > {tol:.1e}"
+    else:
+        exact = attention_exact(q, k, v, is_causal=is_causal)
+        err, ref_err = rel_l1(o.float(), exact), rel_l1(o_ref, exact)
+        assert err <= NOISE_FACTOR * ref_err + tol, f"kernel {err:.3e} vs reference {ref_err:.3e}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("nq, nk", SMALL_SHAPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_attention_matches_reference(mode, nq, nk, is_causal, dtype):
+    q, k, v = _inputs(nq, nk, dtype=dtype, seed=3 * nq + nk)
+    _check_attention(q, k, v, mode, is_causal=is_causal, blocks=EXACT_BLOCKS, dtype=dtype)
+
+
+@pytest.mark.parametrize("mode", ["sage2-8b", "int8-flash"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_attention_production_blocks(mode, is_causal):
+    q, k, v = _inputs(113, 239, dtype=torch.float16, kind="outliers", seed=11)
+    _check_attention(q, k, v, mode, is_causal=is_causal, blocks=None, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_attention_smooth_v(is_causal):
+    q, k, v = _inputs(113, 239, dtype=torch.float16, kind="outliers", seed=5)
+    cfg = get_mode("sage2-8b").attention.replace(smooth_v=True)
+    _check_attention(q, k, v, cfg, is_causal=is_causal, blocks=EXACT_BLOCKS, dtype=torch.float16)
+
+
+def test_custom_op_fake_shapes_match_the_kernels():
+    from quantpatch.kernels import fast_paths
+
+    q, k, v = _inputs(17, 113)
+    options = fast_paths.quant_options(get_mode("sage2-8b").attention)
+    real = fast_paths.quantize_qkv_op(q, k, v, **options)
+    attn_args = (113, True, 0.125, True, torch.float16, 128, False, True, 64, 64, 4, 1)
+    real_o = fast_paths.attn_qk_int8_pv_fp8_op(*real, *attn_args)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        parts = torch.ops.quantpatch.quantize_qkv(*(mode.from_tensor(t) for t in (q, k, v)), **options)
+        fake_o = torch.ops.quantpatch.attn_qk_int8_pv_fp8(*parts, *attn_args)
+    assert [(tuple(p.shape), p.dtype) for p in parts] == [(tuple(r.shape), r.dtype) for r in real]
+    assert [(tuple(p.shape), p.dtype) for p in fake_o] == [(tuple(r.shape), r.dtype) for r in real_o]
+
+
+def test_unsupported_reasons():
+    from quantpatch.dispatch import AttentionCall
+    from quantpatch.kernels.fast_paths import call_unsupported, config_unsupported
+
+    q, k, v = _inputs(17, 17)
+    cfg = get_mode("sage2-8b").attention
+    reason = call_unsupported(AttentionCall(q, k, v, cfg, False, None, None, False))
+    if not CUDA:
+        assert "CUDA" in reason
+    assert "SAS" in config_unsupported(get_mode("turbo").attention)
+    assert "emulate_fp22" in config_unsupported(cfg.replace(emulate_fp22=True))
+    assert config_unsupported(cfg) is None
+
+
+# --------------------------------------------------------------------------- GPU (larger shapes)
+
+GPU_SHAPES = [(1000, 1000), (239, 1000), (239, 239)]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("nq, nk", GPU_SHAPES + [(4096, 4096)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_quantization_bit_exact(mode, nq, nk, d):
+    q, k, v = _inputs(nq, nk, d=d, batch=2, dtype=torch.bfloat16, kind="outliers", seed=nq)
+    _check_quantization(q, k, v, _quant_kw(mode))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("nq, nk", GPU_SHAPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_attention(mode, nq, nk, is_causal, d):
+    dtype = torch.bfloat16 if d == 128 else torch.float16
+    q, k, v = _inputs(nq, nk, d=d, batch=2, dtype=dtype, seed=nk + d)
+    _check_attention(q, k, v, mode, is_causal=is_causal, blocks=EXACT_BLOCKS, dtype=dtype)
+    _check_attention(q, k, v, mode, is_causal=is_causal, blocks=None, dtype=dtype)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_gpu_attention_long(is_causal):
+    q, k, v = _inputs(4096, 4096, d=128, batch=1, heads=2, kv_heads=1, dtype=torch.bfloat16, kind="outliers")
+    _check_attention(q, k, v, "sage2-8b", is_causal=is_causal, blocks=None, dtype=torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
+def test_gpu_public_api_takes_the_triton_path(layout):
+    import quantpatch as qp
+    from quantpatch.dispatch import select
+
+    q, k, v = _inputs(239, 239, d=128, dtype=torch.bfloat16, kind="outliers")
+    cfg = get_mode("sage2-8b").attention
+    from quantpatch.dispatch import AttentionCall
+
+    impl, declined = select(AttentionCall(q, k, v, cfg, True, None, None, False))
+    assert impl is not None and impl.name == "triton", declined
+    args = (q, k, v) if layout == "BHSD" else tuple(t.transpose(1, 2) for t in (q, k, v))
+    o = qp.attention(*args, mode="sage2-8b", is_causal=True, layout=layout, strict=True)
+    if layout == "BSHD":
+        o = o.transpose(1, 2)
+    q, k, v, o = q.cpu(), k.cpu(), v.cpu(), o.cpu()
+    exact = attention_exact(q, k, v, is_causal=True)
+    ref_err = rel_l1(quant_attention_ref(q, k, v, cfg, is_causal=True), exact)
+    assert rel_l1(o.float(), exact) <= NOISE_FACTOR * ref_err + OUT_TOL[torch.bfloat16]
+    assert math.isfinite(o.float().sum().item())
