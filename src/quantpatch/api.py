@@ -6,7 +6,7 @@ import torch
 
 from quantpatch.config import AttentionConfig, ModeConfig
 from quantpatch.dispatch import AttentionCall, select
-from quantpatch.fallback import fall_back
+from quantpatch.fallback import fall_back, note_implementation
 from quantpatch.modes import get_mode
 
 LAYOUTS = ("BHSD", "BSHD")
@@ -121,6 +121,7 @@ def attention(
             fall_back(f"quantpatch.attention(numerics={cfg.numerics!r})", "; ".join(declined), strict=strict)
             result = sdpa_attention(call)
         else:
+            note_implementation(impl.name)
             result = impl.run(call)
     o, lse = result if isinstance(result, tuple) else (result, None)
     o = o.to(q.dtype)

@@ -22,6 +22,7 @@ class SiteRecord:
     kind: str
     runs: str
     fallbacks: set[str] = field(default_factory=set)
+    implementations: set[str] = field(default_factory=set)
 
 
 # The patched site currently running, so that a fallback deep inside quantpatch.attention is
@@ -59,6 +60,13 @@ def fall_back(what: str, reason: str, *, strict: bool) -> None:
         _WARNED.add(message)
         logger.warning(message)
         warnings.warn(message, QuantpatchFallbackWarning, stacklevel=3)
+
+
+def note_implementation(name: str) -> None:
+    """Record on the running site (if any) which implementation served a call."""
+    site = _current_site.get()
+    if site is not None:
+        site.implementations.add(name)
 
 
 def reset_fallback_warnings() -> None:

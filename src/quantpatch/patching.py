@@ -91,7 +91,8 @@ class PatchHandle:
         lines = [f"quantpatch mode {self.mode.name!r} on {type(self.model).__name__} "
                  f"({'active' if self.active else 'removed'})"]
         for site in self.sites:
-            lines.append(f"  {site.kind:<9} {site.name}: {site.runs}")
+            ran = f" [{', '.join(sorted(site.implementations))}]" if site.implementations else ""
+            lines.append(f"  {site.kind:<9} {site.name}: {site.runs}{ran}")
             lines.extend(f"      fallback: {reason}" for reason in sorted(site.fallbacks))
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)

@@ -56,11 +56,11 @@ def hunyuan_video():
                            pooled_projections=_randn(1, 8, seed=3), guidance=torch.tensor([3500.0]))
 
 
-def wan():
+def wan(head_dim: int = HEAD_DIM):
     from diffusers import WanTransformer3DModel
 
     model = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4, out_channels=4,
+        patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=head_dim, in_channels=4, out_channels=4,
         text_dim=16, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, rope_max_seq_len=32,
     )
     return model, _forward(model, hidden_states=_randn(1, 4, 3, 8, 8, seed=1), timestep=torch.tensor([500]),
@@ -140,7 +140,7 @@ def tiny_transformer(name: str):
     return model.eval(), call
 
 
-def tiny_wan_pipeline():
+def tiny_wan_pipeline(head_dim: int = HEAD_DIM):
     """``(pipe, ids, prompt_embeds, negative_prompt_embeds)``: a WanPipeline of tiny parts (CPU, float32).
 
     There is no tokenizer offline: the tiny UMT5 text encoder (built from config) embeds fixed token
@@ -155,7 +155,7 @@ def tiny_wan_pipeline():
                            temperal_downsample=[False, True, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
     text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
                                                relative_attention_num_buckets=8))
-    transformer, _ = wan()  # in_channels 4 = the VAE's z_dim, text_dim 16 = the encoder's d_model
+    transformer, _ = wan(head_dim)  # in_channels 4 = the VAE's z_dim, text_dim 16 = the encoder's d_model
     pipe = WanPipeline(tokenizer=None, text_encoder=text_encoder.eval(), vae=vae.eval(),
                        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), transformer=transformer.eval())
     pipe.set_progress_bar_config(disable=True)

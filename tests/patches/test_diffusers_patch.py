@@ -250,3 +250,30 @@ def test_patching_a_pipeline_and_its_transformer_raises(no_swaps_left):
     pipe, *_ = tiny_wan_pipeline()
     assert "already patched" in (_second_patch_error(pipe, pipe.transformer) or "")
     assert "already patched" in (_second_patch_error(pipe.transformer, pipe) or "")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+def test_gpu_wan_pipeline_runs_the_kernels(no_swaps_left):
+    # head_dim 64 so that the Triton kernels (head dims 64/128) serve the transformer's attention
+    pipe, _, embeds, negative = tiny_wan_pipeline(head_dim=64)
+    pipe.to("cuda", torch.bfloat16)
+
+    def run():
+        return pipe(prompt_embeds=embeds.to("cuda", torch.bfloat16),
+                    negative_prompt_embeds=negative.to("cuda", torch.bfloat16), height=64, width=64, num_frames=9,
+                    num_inference_steps=3, guidance_scale=5.0, generator=torch.Generator("cuda").manual_seed(0),
+                    output_type="pt").frames.float()
+
+    base = run()
+    with qp.patch_model(pipe, "sage2-8b") as handle:
+        patched = run()
+    print(handle.report())
+    assert all(site.implementations == {"triton"} for site in handle.sites)
+    psnr = _psnr(patched, base)
+    print(f"tiny Wan pipeline, bf16 on {torch.cuda.get_device_name()}: PSNR sage2-8b vs SDPA {psnr:.2f} dB")
+    # Measured 41.98 dB on an H100 (Triton kernels). bf16 sets the scale: on CPU in bf16 two
+    # full-precision attention paths (SDPA vs ours unquantized) already differ by 46.4 dB and the
+    # sage2-8b reference gives 44.95 dB; in float32 the same head_dim-64 pipeline gives 56.8 dB.
+    assert psnr > 40.0
+    assert torch.equal(run(), base)

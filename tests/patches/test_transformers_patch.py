@@ -114,3 +114,50 @@ def test_per_site_overrides_apply_and_unknown_ones_raise(no_leaks):
     with pytest.raises(ValueError, match="unknown AttentionConfig option"):
         qp.patch_model(model, "sage2-4b", overrides={"model.layers.0.self_attn": {"smoothing": False}})
     assert not hasattr(model, "_quantpatch_handle")
+
+
+def _tiny_cuda_llama():
+    import transformers as T
+
+    torch.manual_seed(0)
+    config = T.LlamaConfig(vocab_size=128, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=256)
+    return T.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval(), torch.randint(3, 128, (2, 200), device="cuda")
+
+
+def _compiled_logits(model, ids):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        out = torch.compile(model)(ids).logits
+    return out, sum(counters["graph_break"].values())
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_patched_llama_runs_under_torch_compile():
+    model, ids = _tiny_cuda_llama()
+    with qp.patch_model(model, "sage2-8b") as handle:
+        with torch.no_grad():
+            eager = model(ids).logits
+        assert all(site.implementations == {"triton"} for site in handle.sites)
+        compiled, _ = _compiled_logits(model, ids)
+    assert qp.cos_sim(compiled, eager) > 0.999
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.xfail(strict=True, reason="known gap: under torch.compile Transformers materialises the causal mask, "
+                   "the kernels decline any attn_mask, and the reference path graph-breaks on .item()")
+def test_gpu_patched_llama_compiles_through_the_kernels_without_extra_graph_breaks():
+    model, ids = _tiny_cuda_llama()
+    _, base_breaks = _compiled_logits(model, ids)
+    with qp.patch_model(model, "sage2-8b") as handle:
+        _, breaks = _compiled_logits(model, ids)
+    assert all(site.implementations == {"triton"} for site in handle.sites)
+    assert breaks == base_breaks
