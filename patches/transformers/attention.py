@@ -16,6 +16,7 @@ import torch
 
 from quantpatch.api import attention
 from quantpatch.config import AttentionConfig
+from quantpatch.convert import apply_online_crs, crs_buffers
 from quantpatch.fallback import SiteRecord, fall_back, running_site
 
 SITE_ATTR = "_quantpatch_site"
@@ -77,6 +78,16 @@ def make_attention_function() -> Callable:
                         softcap=softcap, is_causal=is_causal, **kwargs)
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         causal = bool(causal) and attention_mask is None and query.shape[2] > 1
+        crs = crs_buffers(module) if site.config.numerics == "fireq" else None
+        if crs is not None:  # a converted fireq model: CRS post-RoPE, online (q · t, k / t)
+            query, key = apply_online_crs(query, key, crs[0])
+            if query.shape[2] < key.shape[2]:  # decode / chunked prefill over the cache: INT4 K/V, FP8 Q
+                from quantpatch.kernels.fireq_ref import fireq_decode_attention_ref
+
+                with running_site(site.record):
+                    out = fireq_decode_attention_ref(query, key, value, cfg=site.config, is_causal=causal,
+                                                     scale=scaling, attn_mask=attention_mask)
+                return out.to(query.dtype).transpose(1, 2).contiguous(), None
         with running_site(site.record):
             out = attention(query, key, value, mode=site.config, is_causal=causal, scale=scaling,
                             attn_mask=attention_mask, strict=site.strict)

@@ -2,6 +2,8 @@
 
 ``quantpatch compare`` (the default) runs every mode's attention on embedded synthetic
 inputs and prints its accuracy against a float64 attention: no download, CPU or GPU.
+``quantpatch calibrate MODEL_DIR --mode fireq --data FILE.jsonl --samples N --seq-len L --out DIR``
+calibrates, converts and saves a checkpoint; ``quantpatch info DIR`` summarizes one.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 import torch
 
 from quantpatch.api import attention
+from quantpatch.cli_commands import add_subcommands
 from quantpatch.metrics import all_metrics
 from quantpatch.modes import available_modes
 from quantpatch.synthetic import KINDS, attention_inputs
@@ -58,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--head-dim", type=int, default=128)
     cmp.add_argument("--causal", action="store_true")
     cmp.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_subcommands(sub)  # calibrate, info
     return parser
 
 
@@ -67,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv if argv else ["compare"])
     if args.command == "compare":
         _print_table(compare(args))
+    else:
+        args.func(args)
     return 0
 
 

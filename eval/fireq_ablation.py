@@ -1,0 +1,247 @@
+"""FireQ ablation: perplexity of a causal LM with W4A8 linears, CAS, PTS, RPN, CRS and an INT4 KV cache.
+
+    python eval/fireq_ablation.py --model ../shared/models/pydoc-llama-21m \
+        --calib ../shared/data/pydoc-calib.jsonl --samples 64 --seq-len 512 \
+        --data ../shared/data/pydoc-val.jsonl --max-tokens 16384 --window 1024 \
+        --out eval/results/fireq_ablation/pydoc-llama-21m_cpu.json
+
+The model is calibrated once (the statistics come from the unconverted model, so every
+variant shares them); each variant reloads the model, converts it with its own switches and
+is scored with ``eval/perplexity.py``'s sliding-window perplexity. Attention per variant:
+``float`` (the model's own), ``fp8`` (the ``fireq`` FP8 prefill attention) or ``kv4`` (K and V
+through FireQ's INT4 per-token cache with online CRS, Q and P̃ in FP8, attended by every
+query: :func:`quantpatch.convert.fireq_attention_ref`). The attention runs through a
+temporary ``AttentionInterface`` registration (:func:`fireq_attention`), evaluation only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import itertools
+import json
+import logging
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from quantpatch.calibration import CalibrationStats, calibrate
+from quantpatch.checkpoint import load
+from quantpatch.convert import FireQOptions, convert, crs_buffers, fireq_attention_ref
+from quantpatch.modes import get_mode
+from quantpatch.w4a8_linear import W4A8Linear
+
+logger = logging.getLogger("quantpatch.eval")
+_keys = itertools.count()
+
+
+def _perplexity_module():
+    """``eval/perplexity.py`` (not a package): its token stream and sliding-window perplexity."""
+    name = "_quantpatch_eval_perplexity"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("perplexity.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@contextlib.contextmanager
+def fireq_attention(model, *, kv_int4: bool = True, fp8: bool = True, kv_operand: str = "fp8"):
+    """Run ``model``'s attention through :func:`fireq_attention_ref` (CRS from the module's buffers) inside the block.
+
+    Registers a fresh ``AttentionInterface`` key (with the sdpa mask) and restores the model's
+    implementation and the global registries on exit.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        buffers = crs_buffers(module)
+        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        causal = causal and attention_mask is None and query.shape[2] > 1
+        out = fireq_attention_ref(query, key, value, None if buffers is None else buffers[0], kv_int4=kv_int4,
+                                  fp8=fp8, kv_operand=kv_operand, is_causal=causal, scale=scaling,
+                                  attn_mask=attention_mask)
+        return out.transpose(1, 2).contiguous(), None
+
+    name = f"quantpatch_fireq_eval_{next(_keys)}"
+    original = model.config._attn_implementation
+    AttentionInterface._global_mapping[name] = forward
+    ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[name] = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["sdpa"]
+    try:
+        model.set_attn_implementation(name)
+        yield model
+    finally:
+        model.set_attn_implementation(original)
+        del AttentionInterface._global_mapping[name]
+        del ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[name]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One ablation row: which linear/KV techniques are on and how attention runs.
+
+    ``attention``: ``float`` (the model's own), ``fp8`` (``fireq`` FP8 prefill), ``kv4`` (INT4 K/V
+    cache read with FireQ's decode numerics). ``crs_pairs``: outlier pairs per head (8; the
+    CRS-only row uses every pair, FireQ App. E.2's "64 outlier channels" case).
+    """
+
+    name: str
+    linear: bool = False
+    cas: bool = False
+    pts: bool = False
+    kv: bool = False  # merge RPN / set up CRS (kv_cache.kind = fireq)
+    rpn: bool = False
+    crs: bool = False
+    crs_pairs: int = 8
+    attention: str = "float"
+    kv_operand: str = "fp8"
+    options: dict = field(default_factory=dict)
+
+    def mode(self, head_dim: int):
+        pairs = min(self.crs_pairs, head_dim // 2) if self.crs else 0
+        return get_mode("fireq").with_options(**{
+            "linear.kind": "w4a8_fp8" if self.linear else "none", "linear.cas": self.cas, "linear.pts": self.pts,
+            "kv_cache.kind": "fireq" if self.kv else "none", "kv_cache.crs_pairs": pairs,
+        })
+
+
+LIN = dict(linear=True, cas=True, pts=True)
+KV = dict(kv=True, attention="kv4")
+FULL = dict(**LIN, **KV, rpn=True, crs=True)
+PAPER_AB = {"rpn_alpha": 8.0, "crs_beta": 8.0}  # FireQ App. E, Fig. 10
+VARIANTS = {
+    v.name: v
+    for v in [
+        Variant("fp"),
+        Variant("fp8-attn", attention="fp8"),
+        # linears alone (attention in float)
+        Variant("rtn", linear=True),
+        Variant("rtn+cas", linear=True, cas=True),
+        Variant("rtn+pts", linear=True, pts=True),
+        Variant("rtn+cas+pts", **LIN),
+        # KV cache on top of CAS+PTS linears, then its smoothing
+        Variant("rtn+cas+pts+kv4", **LIN, **KV),
+        Variant("rtn+cas+pts+kv4+rpn", **LIN, **KV, rpn=True),
+        Variant("full", **FULL),
+        Variant("full-alpha8", **FULL, options=PAPER_AB),
+        Variant("full-kv-exact", **FULL, kv_operand="exact"),
+        Variant("full-w-lut", **FULL, options={"weight_operand": "lut"}),
+        Variant("full-cas-no-o", **FULL, options={"cas_sites": ["qkv", "gate_up", "down"]}),
+        # KV cache alone (float linears)
+        Variant("kv4", **KV),
+        Variant("kv4+rpn", **KV, rpn=True),
+        Variant("kv4+rpn-alpha8", **KV, rpn=True, options=PAPER_AB),
+        Variant("kv4+crs-all", **KV, crs=True, crs_pairs=1 << 16),
+        Variant("kv4+rpn+crs", **KV, rpn=True, crs=True),
+        # no smoothing at all, and the components that helped on pydoc-llama-21m alone
+        Variant("rtn+kv4", linear=True, **KV),
+        Variant("rtn+pts+kv4+rpn", linear=True, pts=True, **KV, rpn=True),
+    ]
+}
+
+
+def run_variant(variant: Variant, args, stats, ids, ppl) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    start = time.perf_counter()
+    if variant.linear or variant.kv:
+        opts = {"rpn": variant.rpn, "rpn_alpha": args.rpn_alpha, "crs_beta": args.crs_beta,
+                "cas_sites": args.cas_sites, **variant.options}
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        convert(model, stats, variant.mode(head_dim), options=FireQOptions.from_dict(opts), progress=False)
+        for m in model.modules():
+            if isinstance(m, W4A8Linear):
+                m.cache_unpacked = True  # unpack each weight once (reference path on CPU)
+    ctx = contextlib.nullcontext() if variant.attention == "float" else fireq_attention(
+        model, kv_int4=variant.attention == "kv4", fp8=True, kv_operand=variant.kv_operand)
+    with ctx:
+        value = ppl.perplexity(model, ids, args.window, None, desc=variant.name)
+    return {"ppl": value, "seconds": time.perf_counter() - start, **asdict(variant)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--calib", required=True, help="jsonl with a 'text' field")
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--max-tokens", type=int, default=16384)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--rpn-alpha", type=float, default=FireQOptions().rpn_alpha)
+    parser.add_argument("--crs-beta", type=float, default=FireQOptions().crs_beta)
+    parser.add_argument("--cas-sites", nargs="*", default=list(FireQOptions().cas_sites))
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--stats-cache", default=None, help="JSON file to reuse calibration statistics from")
+    parser.add_argument("--checkpoint", default=None, help="also score this `quantpatch calibrate` checkpoint")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ppl = _perplexity_module()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    ids = ppl.load_token_stream(tokenizer, args.data, args.max_tokens)
+    texts = [json.loads(line)["text"] for line in Path(args.calib).read_text().splitlines() if line.strip()]
+    if args.stats_cache and Path(args.stats_cache).exists():
+        stats = CalibrationStats.from_dict(json.loads(Path(args.stats_cache).read_text()))
+    else:
+        base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        stats = calibrate(base, texts, "fireq", tokenizer=tokenizer, samples=args.samples, seq_len=args.seq_len)
+        del base
+        if args.stats_cache:
+            Path(args.stats_cache).write_text(json.dumps(stats.to_dict()))
+    results = {}
+    for name in args.variants:
+        results[name] = run_variant(VARIANTS[name], args, stats, ids, ppl)
+        logger.info("%-22s ppl %.3f (%.0f s)", name, results[name]["ppl"], results[name]["seconds"])
+        if args.out:  # partial results survive an interrupted run
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).with_suffix(".partial.json").write_text(json.dumps(results, indent=2))
+    if args.checkpoint:  # the acceptance path: `quantpatch calibrate` → quantpatch.load → full recipe
+        start = time.perf_counter()
+        model = load(args.checkpoint, base_model=args.model)
+        for m in model.modules():
+            if isinstance(m, W4A8Linear):
+                m.cache_unpacked = True
+        with fireq_attention(model, kv_int4=True, fp8=True):
+            value = ppl.perplexity(model, ids, args.window, None, desc="checkpoint")
+        results["checkpoint"] = {"ppl": value, "seconds": time.perf_counter() - start, "name": "checkpoint",
+                                 "path": args.checkpoint, "options": model._quantpatch_state.options.to_dict()}
+        logger.info("%-22s ppl %.3f", "checkpoint", value)
+    base_ppl = results.get("fp", {}).get("ppl")
+    rtn_ppl = results.get("rtn", {}).get("ppl")
+    for r in results.values():
+        r["delta_pct"] = None if base_ppl is None else 100 * (r["ppl"] / base_ppl - 1)
+    report = {
+        "command": "python eval/fireq_ablation.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "model": args.model, "calib": args.calib, "samples": stats.meta["samples"], "seq_len": args.seq_len,
+        "calib_tokens": stats.meta["tokens"], "data": args.data, "tokens": len(ids), "window": args.window,
+        "options": {"rpn_alpha": args.rpn_alpha, "crs_beta": args.crs_beta, "cas_sites": args.cas_sites},
+        "machine": platform.platform(), "torch": torch.__version__, "results": results,
+    }
+    print(f"{'variant':<22} {'ppl':>9} {'Δ % vs fp':>10} {'vs rtn':>8}  ({len(ids)} tokens, window {args.window})")
+    for name, r in results.items():
+        delta = "" if r["delta_pct"] is None else f"{r['delta_pct']:+.2f}"
+        vs_rtn = "" if rtn_ppl is None else f"{100 * (r['ppl'] / rtn_ppl - 1):+.2f}"
+        print(f"{name:<22} {r['ppl']:>9.3f} {delta:>10} {vs_rtn:>8}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()

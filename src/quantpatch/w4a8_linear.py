@@ -1,0 +1,188 @@
+"""``W4A8Linear``: FireQ's INT4-weight × FP8-activation linear layer as a drop-in ``nn.Module``.
+
+The packed weight lives in buffers (so ``state_dict`` / safetensors carry it and ``.to()``
+moves it): ``qweight uint8 (O, Kp/2)``, ``scales float8_e4m3fn (O, G)``, ``pts_exp int32 ()``
+and an optional ``bias (O,)``. Numerics and layout: :mod:`quantpatch.kernels.w4a8_ref`.
+
+``forward`` goes through :func:`w4a8_matmul`, the one dispatch point: a registered fast path
+(the Triton GEMM, when it lands) for the inputs it accepts, else the pure-PyTorch reference
+computing in float32 (FireQ's accumulator precision).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from quantpatch.kernels.w4a8_ref import (
+    GROUP_SIZE,
+    WEIGHT_OPERANDS,
+    PackedWeight,
+    dequantize_weight,
+    quantize_weight,
+    unpack_weight,
+    w4a8_linear_ref,
+    weight_nbytes,
+)
+
+# (name, accepts(x, module) -> bool, run(x, module) -> y): tried in order before the reference.
+_FAST_PATHS: list[tuple[str, Callable, Callable]] = []
+
+
+def register_w4a8_fast_path(name: str, accepts: Callable, run: Callable) -> None:
+    """Register a kernel for :func:`w4a8_matmul` (e.g. the Triton GEMM); later registrations win."""
+    _FAST_PATHS[:] = [p for p in _FAST_PATHS if p[0] != name]
+    _FAST_PATHS.insert(0, (name, accepts, run))
+
+
+def w4a8_matmul(x: torch.Tensor, module: W4A8Linear) -> torch.Tensor:
+    """``module``'s product on ``x (..., K)``: the first registered fast path that accepts it, else the reference."""
+    for _, accepts, run in _FAST_PATHS:
+        if accepts(x, module):
+            return run(x, module)
+    packed = module.packed()
+    unpacked = None
+    if module.cache_unpacked:  # reference speed-up: unpack once per weight version
+        key = (module.qweight.data_ptr(), module.qweight._version, module.scales.data_ptr(), module.scales._version,
+               module.compute_dtype)
+        if module._unpacked is None or module._unpacked[0] != key:
+            module._unpacked = (key, unpack_weight(packed, module.compute_dtype))
+        unpacked = module._unpacked[1]
+    return w4a8_linear_ref(x, packed, module.bias, operand=module.weight_operand,
+                           compute_dtype=module.compute_dtype, unpacked=unpacked)
+
+
+class W4A8Linear(nn.Module):
+    """FireQ W4A8-FP linear layer: ``y = x Wᵀ + b`` with INT4/e4m3-group weights and per-token FP8 activations.
+
+    Args:
+        in_features, out_features: ``K`` and ``O``.
+        bias: keep a bias buffer.
+        group_size: input channels per e4m3 weight scale (128).
+        weight_operand: ``"group"`` (per-group FP32 partials × σ) or ``"lut"`` (FireQ's e4m3(ŵ σ) table).
+        device: where the (empty) buffers are made; ``"meta"`` for a skeleton that
+            ``load_state_dict(..., assign=True)`` fills.
+        dtype: dtype of the bias buffer.
+
+    Shapes: ``x (..., K)`` → ``y (..., O)`` in ``x``'s dtype.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group_size: int = GROUP_SIZE,
+        weight_operand: str = "group",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if weight_operand not in WEIGHT_OPERANDS:
+            raise ValueError(f"weight_operand={weight_operand!r} is not valid; choose one of {list(WEIGHT_OPERANDS)}")
+        if group_size <= 0 or group_size % 2:
+            raise ValueError(f"group_size must be a positive even int, got {group_size}")
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size, self.weight_operand = group_size, weight_operand
+        self.compute_dtype = torch.float32  # FireQ accumulates in FP32
+        # The reference path may keep the unpacked INT4 values (4 bytes each, not counted in
+        # the memory accounting and not saved): set True for repeated CPU evaluation.
+        self.cache_unpacked = False
+        self._unpacked = None
+        groups = -(-in_features // group_size)
+        kp = groups * group_size
+        self.register_buffer("qweight", torch.zeros(out_features, kp // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.zeros(out_features, groups, dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("pts_exp", torch.zeros((), dtype=torch.int32, device=device))
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
+        else:
+            self.register_buffer("bias", None)
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        group_size: int = GROUP_SIZE,
+        pts: bool = True,
+        pts_exp: int | None = None,
+        weight_operand: str = "group",
+    ) -> W4A8Linear:
+        """Quantize an ``nn.Linear`` (round to nearest; CAS is merged into its weight beforehand by ``convert``).
+
+        ``pts``: choose the per-tensor ``2ⁿ`` by FireQ Definition 3.2 (``pts_exp`` forces ``n``).
+        The new module's buffers are on the linear's device; the bias keeps its dtype.
+        """
+        w = linear.weight.detach()
+        packed = quantize_weight(w, group_size, pts=pts, pts_exp=pts_exp)
+        has_bias = linear.bias is not None
+        bias_dtype = linear.bias.dtype if has_bias else w.dtype
+        module = cls(linear.in_features, linear.out_features, has_bias, group_size=group_size,
+                     weight_operand=weight_operand, device=w.device, dtype=bias_dtype)
+        module.load_packed(packed)
+        if has_bias:
+            module.bias.copy_(linear.bias.detach())
+        return module
+
+    def load_packed(self, packed: PackedWeight) -> None:
+        """Copy a :class:`~quantpatch.kernels.w4a8_ref.PackedWeight` into the buffers (shapes must match)."""
+        if packed.in_features != self.in_features or packed.group_size != self.group_size:
+            raise ValueError(
+                f"packed weight is K={packed.in_features}, group {packed.group_size}; "
+                f"module is K={self.in_features}, group {self.group_size}"
+            )
+        self.qweight.copy_(packed.qweight)
+        self.scales.copy_(packed.scales)
+        self.pts_exp.fill_(packed.pts_exp)
+
+    def packed(self) -> PackedWeight:
+        """The buffers as a :class:`~quantpatch.kernels.w4a8_ref.PackedWeight`."""
+        return PackedWeight(self.qweight, self.scales, int(self.pts_exp), self.in_features, self.group_size)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The effective float weight ``(O, K)`` (PTS undone) that the product uses."""
+        return dequantize_weight(self.packed(), self.weight_operand, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return w4a8_matmul(x, self)
+
+    def _apply(self, fn, recurse=True):
+        # ``model.to(torch.bfloat16)`` casts every floating buffer; the e4m3 scales must stay
+        # e4m3 (their values are exact in any wider float, so casting back loses nothing).
+        super()._apply(fn, recurse)
+        if self.scales.dtype != torch.float8_e4m3fn:
+            self.scales = self.scales.to(torch.float8_e4m3fn)
+        return self
+
+    # -- memory accounting -----------------------------------------------------
+    def weight_nbytes(self) -> int:
+        """Bytes of the packed weight and its scales (what replaces the float weight)."""
+        return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * self.scales.element_size()
+
+    def memory_footprint(self) -> dict[str, int]:
+        """Bytes by buffer, ``total`` and ``bf16_weight`` (the ``O·K·2`` bytes a bf16 weight takes)."""
+        parts = {name: b.numel() * b.element_size() for name, b in self.named_buffers(recurse=False)}
+        assert self.weight_nbytes() == weight_nbytes(self.out_features, self.in_features, self.group_size)
+        return {**parts, "total": sum(parts.values()), "bf16_weight": self.out_features * self.in_features * 2}
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"group_size={self.group_size}, pts_exp={int(self.pts_exp) if not self.pts_exp.is_meta else '?'}, "
+            f"weight_operand={self.weight_operand!r}"
+        )
+
+
+def linear_weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Weight bytes of every ``nn.Linear`` / :class:`W4A8Linear` in ``model`` (bias excluded), by FQN."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, W4A8Linear):
+            out[name] = m.weight_nbytes()
+        elif isinstance(m, nn.Linear):
+            out[name] = m.weight.numel() * m.weight.element_size()
+    return out
