@@ -161,3 +161,18 @@ def test_gpu_patched_llama_compiles_through_the_kernels_without_extra_graph_brea
         _, breaks = _compiled_logits(model, ids)
     assert all(site.implementations == {"triton"} for site in handle.sites)
     assert breaks == base_breaks
+
+
+def test_accelerate_offload_hooks_stay_intact(no_leaks):
+    from accelerate import cpu_offload
+
+    model, inputs = tiny_model("llama"), _inputs("llama")
+    base = _out(model, inputs)
+    cpu_offload(model, execution_device=torch.device("cpu"))  # weights on meta, streamed by hooks
+    hooks = {n: m._hf_hook for n, m in model.named_modules() if hasattr(m, "_hf_hook")}
+    assert hooks and next(model.parameters()).device.type == "meta"
+    with qp.patch_model(model, "sage2-8b") as handle:
+        patched = _out(model, inputs)
+        assert {n: m._hf_hook for n, m in model.named_modules() if hasattr(m, "_hf_hook")} == hooks
+    assert not handle.fallbacks() and qp.cos_sim(patched, base) > LOGIT_COS_FLOOR["sage2-8b"]
+    assert torch.equal(_out(model, inputs), base)
