@@ -62,7 +62,6 @@ import math
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 import zlib
@@ -74,6 +73,7 @@ import torch
 from tqdm.auto import tqdm
 
 from quantpatch import AttentionConfig, available_modes, get_mode, synthetic
+from quantpatch.environment import git_revision
 from quantpatch.kernels.attention_ref import attention_exact
 from quantpatch.kernels.quant_attention_ref import quant_attention_ref
 from quantpatch.metrics import all_metrics
@@ -491,22 +491,7 @@ def machine_info(device: torch.device) -> dict:
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT, capture_output=True, text=True
-        ).stdout.strip()
-        script = subprocess.run(
-            ["git", "status", "--porcelain", "--", str(Path(__file__).resolve())], cwd=REPO_ROOT,
-            capture_output=True, text=True,
-        ).stdout.strip()
-        info["git_sha"] = sha + (" (uncommitted changes)" if dirty else "") + (
-            " (this script is untracked or modified)" if script else ""
-        )
-    except (OSError, subprocess.CalledProcessError):
-        info["git_sha"] = "unknown"
+    info["git_sha"] = git_revision(REPO_ROOT)
     return info
 
 

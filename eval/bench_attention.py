@@ -29,20 +29,16 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import itertools
 import json
 import logging
 import math
-import os
-import platform
-import shlex
-import subprocess
-import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+
+from quantpatch.environment import environment_info
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "eval" / "results" / "bench_attention"
@@ -90,27 +86,7 @@ def bench(fn: Callable[[int], object], n_sets: int, warmup: int, rep: int) -> fl
 
 
 def machine_info() -> dict:
-    import triton
-
-    info = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-        "command": " ".join(shlex.quote(a) for a in sys.argv),
-    }
-    sha = os.environ.get("QP_GIT_SHA")
-    if not sha:
-        try:
-            sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
-                                 check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            sha = "unknown"
-    info["git_sha"] = sha
-    return info
+    return environment_info("cuda" if torch.cuda.is_available() else "cpu", REPO_ROOT)
 
 
 def make_inputs(b, h, n, d, n_sets, seed=0, device="cuda"):

@@ -8,6 +8,17 @@ concatenated, each followed by EOS; the first ``--max-tokens`` tokens are scored
 ``--window``-token windows advanced by ``--stride`` (default: the window, i.e. disjoint
 windows); with a smaller stride (WikiText style) each window scores only its last
 ``stride`` tokens and the rest is context. ``off`` is the unpatched model.
+
+With ``--kv-cache`` every mode is evaluated through a KV cache: each window's first ``--prefill``
+tokens fill the cache in one forward, the rest go through it ``--chunk`` tokens at a time, and only
+those chunk predictions are scored. A mode may then name its cache as ``MODE:CACHE`` with CACHE one of
+``dynamic`` (default), ``turbo4`` / ``turbo8`` (every head 4 / 8 bits), ``mixed`` (2/4 bits by
+priority, calibrated on ``--calib``), ``mixed-inverse`` (the highest-priority heads at 2 bits) and
+``mixed-randomSEED`` (the same number of 2-bit heads at random)::
+
+    python eval/perplexity.py --model ../shared/models/pydoc-llama-21m --data ../shared/data/pydoc-val.jsonl \
+        --kv-cache --calib ../shared/data/pydoc-calib.jsonl --modes off off:turbo4 turbo turbo:turbo4 turbo:mixed \
+        turbo:mixed-random0 --out ppl_kv.json
 """
 
 from __future__ import annotations
@@ -76,6 +87,60 @@ def sliding_window_nll(
     return total, count
 
 
+@torch.no_grad()
+def cached_nll(model, ids: torch.Tensor, make_cache, window: int, prefill: int, chunk: int, desc: str = ""):
+    """Summed NLL and count of the tokens predicted through the cache (see the module docstring).
+
+    Per ``window``-token window a fresh ``make_cache()`` is filled by a ``prefill``-token forward; the
+    rest of the window is fed ``chunk`` tokens at a time, each forward reading the cache and appending to it.
+    """
+    if not 0 < prefill < window:
+        raise ValueError(f"prefill must be in (0, window), got {prefill} with window {window}")
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    starts = range(0, max(len(ids) - prefill - 1, 0), window)
+    for start in tqdm(starts, desc=desc or "windows", leave=False):
+        x = ids[start : start + window].unsqueeze(0).to(device)
+        cache = make_cache()
+        model(x[:, :prefill], past_key_values=cache, use_cache=True)
+        for c0 in range(prefill, x.shape[1], chunk):
+            logits = model(x[:, c0 : c0 + chunk], past_key_values=cache, use_cache=True).logits[0].float()
+            target = x[0, c0 + 1 : c0 + chunk + 1]
+            loss = torch.nn.functional.cross_entropy(logits[: target.numel()], target, reduction="sum")
+            total, count = total + float(loss), count + target.numel()
+    return total, count
+
+
+def cache_factory(model, spec: str, head_precision):
+    """A zero-argument constructor of the cache named ``spec`` (see the module docstring)."""
+    from transformers import DynamicCache
+
+    from quantpatch.calibration_turbo import HeadPrecision, random_head_precision
+
+    if spec == "dynamic":
+        return DynamicCache
+    if spec in ("turbo4", "turbo8"):
+        config = quantpatch.KVCacheConfig(kind="turbo", bits=int(spec[-1]))
+        return lambda: quantpatch.TurboCache(model, config)
+    if not spec.startswith("mixed"):
+        raise ValueError(f"unknown cache {spec!r}; valid: dynamic, turbo4, turbo8, mixed, mixed-inverse, mixed-randomN")
+    if head_precision is None:
+        raise ValueError(f"cache {spec!r} needs --calib (head priorities)")
+    hp = head_precision
+    if spec == "mixed-inverse":
+        flip = [[6 - b for b in row] for row in hp.k_bits], [[6 - b for b in row] for row in hp.v_bits]
+        hp = HeadPrecision(*flip, k_absmax=hp.k_absmax, v_absmax=hp.v_absmax, n_h=hp.n_h, ranking=hp.ranking,
+                           method="inverse")
+    elif spec.startswith("mixed-random"):
+        rnd = random_head_precision(hp.num_layers, hp.kv_heads, hp.n_h, seed=int(spec[len("mixed-random"):]),
+                                    ranking=hp.ranking)
+        hp = HeadPrecision(rnd.k_bits, rnd.v_bits, k_absmax=hp.k_absmax, v_absmax=hp.v_absmax, n_h=hp.n_h,
+                           ranking=hp.ranking, method="random", notes=rnd.notes)
+    elif spec != "mixed":
+        raise ValueError(f"unknown cache {spec!r}")
+    return lambda: quantpatch.TurboCache(model, "turbo", hp)
+
+
 def perplexity(model, ids: torch.Tensor, window: int, stride: int | None = None, desc: str = "") -> float:
     """``exp`` of the mean NLL over the scored tokens."""
     total, count = sliding_window_nll(model, ids, window, stride, desc)
@@ -89,17 +154,35 @@ def run(args: argparse.Namespace) -> dict:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     ids = load_token_stream(tokenizer, args.data, args.max_tokens)
+    head_precision = None
+    if args.calib:
+        from quantpatch.calibration_turbo import calibrate_head_precision, load_texts
+
+        head_precision = calibrate_head_precision(model, load_texts(args.calib, args.calib_docs), tokenizer,
+                                                  n_h=args.n_h, ranking=args.ranking, max_length=args.window)
+        logger.info("%s", head_precision.report())
+
+    def evaluate(name: str, cache: str) -> float:
+        if not args.kv_cache:
+            return perplexity(model, ids, args.window, args.stride, desc=name)
+        total, count = cached_nll(model, ids, cache_factory(model, cache, head_precision), args.window,
+                                  args.prefill, args.chunk, desc=name)
+        return math.exp(total / count)
+
     results = {}
-    for mode in args.modes:
+    for name in args.modes:
+        mode, _, cache = name.partition(":")
+        if cache and not args.kv_cache:
+            raise ValueError(f"{name!r} names a cache: add --kv-cache")
         start = time.perf_counter()
         if mode == "off":
-            value = perplexity(model, ids, args.window, args.stride, desc=mode)
+            value = evaluate(name, cache or "dynamic")
         else:
             with quantpatch.patch_model(model, mode) as handle:
-                value = perplexity(model, ids, args.window, args.stride, desc=mode)
+                value = evaluate(name, cache or "dynamic")
             if handle.fallbacks():
                 logger.warning("%s fell back: %s", mode, handle.fallbacks())
-        results[mode] = {"ppl": value, "seconds": time.perf_counter() - start}
+        results[name] = {"ppl": value, "seconds": time.perf_counter() - start}
     base = results.get("off", {}).get("ppl")
     for r in results.values():
         r["delta_pct"] = None if base is None else 100 * (r["ppl"] / base - 1)
@@ -109,6 +192,8 @@ def run(args: argparse.Namespace) -> dict:
         "tokens": len(ids),
         "window": args.window,
         "stride": args.stride or args.window,
+        "kv_cache": {"prefill": args.prefill, "chunk": args.chunk} if args.kv_cache else None,
+        "head_precision": head_precision.to_dict() if head_precision is not None else None,
         "dtype": args.dtype,
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "machine": platform.platform(),
@@ -127,15 +212,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--modes", nargs="+", default=["off", "sage2-8b", "int8-flash", "fireq", "sage2-4b", "turbo"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--kv-cache", action="store_true", help="score chunks fed through a KV cache")
+    parser.add_argument("--prefill", type=int, default=512, help="--kv-cache: tokens prefilled per window")
+    parser.add_argument("--chunk", type=int, default=64, help="--kv-cache: tokens per cached forward")
+    parser.add_argument("--calib", default=None, help="jsonl of calibration texts for the mixed caches")
+    parser.add_argument("--calib-docs", type=int, default=8)
+    parser.add_argument("--n-h", type=float, default=0.5, help="2-bit KV heads per layer (a fraction)")
+    parser.add_argument("--ranking", default="joint", choices=["joint", "separate"], help="K/V heads ranked together")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     report = run(args)
-    print(f"{'mode':<12} {'ppl':>9} {'Δ %':>7} {'s':>7}   ({report['tokens']} tokens, window {args.window}, "
+    how = f", prefill {args.prefill} + chunks of {args.chunk} through the cache" if args.kv_cache else ""
+    print(f"{'mode':<22} {'ppl':>9} {'Δ %':>7} {'s':>7}   ({report['tokens']} tokens, window {args.window}{how}, "
           f"{args.dtype} on {report['device']})")
     for mode, r in report["results"].items():
         delta = "" if r["delta_pct"] is None else f"{r['delta_pct']:+.2f}"
-        print(f"{mode:<12} {r['ppl']:>9.3f} {delta:>7} {r['seconds']:>7.1f}")
+        print(f"{mode:<22} {r['ppl']:>9.3f} {delta:>7} {r['seconds']:>7.1f}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))

@@ -16,6 +16,7 @@ from quantpatch.config import ModeConfig
 from quantpatch.fallback import UnsupportedError, logger
 from quantpatch.patches.transformers.attention import SITE_ATTR, AttentionSite, make_attention_function
 from quantpatch.patches.transformers.families import FAMILIES
+from quantpatch.patches.transformers.turbo_cache import install_generate_hook
 from quantpatch.patching import PatchHandle
 
 _keys = itertools.count()
@@ -59,7 +60,7 @@ def patch_transformers_model(
         logger.warning(message)
     if not model._can_set_attn_implementation():
         raise ValueError(f"{type(model).__name__} does not dispatch attention through AttentionInterface")
-    if mode.kv_cache.kind != "none" or mode.linear.kind != "none":
+    if mode.kv_cache.kind not in ("none", "turbo") or mode.linear.kind != "none":
         handle.notes.append(
             f"mode {mode.name!r}: only its attention numerics are applied by patch_model so far "
             f"(KV cache {mode.kv_cache.kind!r}, linear {mode.linear.kind!r} come from calibrated checkpoints)"
@@ -95,3 +96,5 @@ def patch_transformers_model(
     for config in configs.values():
         handle.setattr(config, "_attn_implementation_internal", config._attn_implementation_internal)
     model.set_attn_implementation(key)
+    if mode.kv_cache.kind == "turbo":
+        install_generate_hook(model, handle, mode.kv_cache, strict=strict)

@@ -4,6 +4,10 @@ Transformers calls it with ``(B, H, S, D)`` query/key/value after RoPE and the c
 and expects ``(B, S, H, D)`` back. GQA is native (no ``repeat_kv``). Causality: with no mask
 and ``q_len > 1`` the call is causal (bottom-right aligned); otherwise the boolean mask built
 by ``sdpa_mask`` (padding, sliding windows, chunked prefill) is honoured as given.
+
+With a ``TurboCache`` under a ``turbo`` site, ``key``/``value`` of a decode call are placeholders
+and the attention runs on the compressed layer found by ``module.layer_idx``
+(``turbo_cache.turbo_layer_for`` / ``turbo_cache_attention``); fallbacks get the layer dequantized.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from quantpatch.api import attention
 from quantpatch.config import AttentionConfig
 from quantpatch.convert import apply_online_crs, crs_buffers
 from quantpatch.fallback import SiteRecord, fall_back, running_site
+from quantpatch.patches.transformers.turbo_cache import READS_TURBO_LAYERS, turbo_cache_attention, turbo_layer_for
 
 SITE_ATTR = "_quantpatch_site"
 
@@ -68,11 +73,14 @@ def make_attention_function() -> Callable:
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         site: AttentionSite | None = getattr(module, SITE_ATTR, None)
+        turbo_layer = turbo_layer_for(module, key)  # key/value are placeholders of a compressed cache layer
         reason = None if site is None or site.config is None else _unsupported(site, module, dropout, softcap, kwargs)
         if site is None or site.config is None or reason:
             if reason:
                 with running_site(site.record):
                     fall_back(f"{site.record.name}", reason, strict=site.strict)
+            if turbo_layer is not None:
+                key, value = turbo_layer.dequantized(query.dtype)
             impl = original_attention(module, site.original_impl if site else "sdpa")
             return impl(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                         softcap=softcap, is_causal=is_causal, **kwargs)
@@ -89,8 +97,13 @@ def make_attention_function() -> Callable:
                                                      scale=scaling, attn_mask=attention_mask)
                 return out.to(query.dtype).transpose(1, 2).contiguous(), None
         with running_site(site.record):
-            out = attention(query, key, value, mode=site.config, is_causal=causal, scale=scaling,
-                            attn_mask=attention_mask, strict=site.strict)
+            if turbo_layer is not None:  # decode / chunk over a TurboCache layer: read the compressed blocks
+                out = turbo_cache_attention(query, turbo_layer, cfg=site.config, attn_mask=attention_mask,
+                                            is_causal=causal, scale=scaling)
+            else:
+                out = attention(query, key, value, mode=site.config, is_causal=causal, scale=scaling,
+                                attn_mask=attention_mask, strict=site.strict)
         return out.transpose(1, 2).contiguous(), None
 
+    setattr(quantpatch_attention_forward, READS_TURBO_LAYERS, True)
     return quantpatch_attention_forward

@@ -6,6 +6,7 @@ not initialised.
 
 from quantpatch.api import attention
 from quantpatch.calibration import CalibrationStats, calibrate
+from quantpatch.calibration_turbo import HeadPrecision, calibrate_head_precision
 from quantpatch.checkpoint import CheckpointError, load, save
 from quantpatch.config import AttentionConfig, KVCacheConfig, LinearConfig, ModeConfig
 from quantpatch.convert import FireQOptions, convert
@@ -17,23 +18,44 @@ from quantpatch.w4a8_linear import W4A8Linear
 
 __version__ = "0.1.0"
 
+# Names served by a module that imports a heavy library (Transformers), loaded on first access.
+_LAZY = {"TurboCache": "quantpatch.patches.transformers.turbo_cache"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'quantpatch' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = [
     "AttentionConfig",
     "CalibrationStats",
     "CheckpointError",
     "FireQOptions",
+    "HeadPrecision",
     "KVCacheConfig",
     "LinearConfig",
     "MODES",
     "ModeConfig",
     "PatchHandle",
     "QuantpatchFallbackWarning",
+    "TurboCache",
     "UnsupportedError",
     "W4A8Linear",
     "all_metrics",
     "attention",
     "available_modes",
     "calibrate",
+    "calibrate_head_precision",
     "convert",
     "cos_sim",
     "get_mode",

@@ -232,6 +232,8 @@ def _skeleton(config: dict[str, Any], base_cfg) -> nn.Module:
                                          group_size=info["group_size"], weight_operand=info["weight_operand"],
                                          device="meta", dtype=bias_dtype))
     for fqn, info in config["attention"].items():
+        if info.get("kv") == "turbo":  # TurboAttention sites carry per-head widths only, no buffers
+            continue
         pairs = len(info["crs_pairs"][0]) if info["crs_pairs"] else 0
         add_crs_buffers(model.get_submodule(fqn), info["num_kv_heads"], info["head_dim"], pairs, device="meta")
     return model

@@ -19,12 +19,13 @@ SENTENCES = [
     "Cats sleep.",
     "How do I open a file for reading in Python and iterate over its lines without loading everything into memory?",
 ]
-# Worst sentence, measured: sage2-8b 0.999831, int8-flash 0.999753, sage2-4b 0.998671.
-EMBEDDING_COS_FLOOR = {"sage2-8b": 0.9995, "int8-flash": 0.9995, "sage2-4b": 0.998}
+# Worst sentence, measured (sage2 modes smooth V since it became their default): sage2-8b 0.999639,
+# int8-flash 0.999753, sage2-4b 0.997583 (without smooth V: 0.999831 and 0.998671).
+EMBEDDING_COS_FLOOR = {"sage2-8b": 0.9995, "int8-flash": 0.9995, "sage2-4b": 0.997}
 # A sentence alone vs in the padded batch, both patched: quantization groups and smoothing
 # means then span different key sets, so they agree only to quantization noise (measured worst
-# 0.999834, 0.999699, 0.998059); ignoring the padding mask instead gives 0.8397 (unpatched).
-PADDED_BATCH_COS_FLOOR = {"sage2-8b": 0.9995, "int8-flash": 0.9995, "sage2-4b": 0.997}
+# 0.999412, 0.999699, 0.996875); ignoring the padding mask instead gives 0.8397 (unpatched).
+PADDED_BATCH_COS_FLOOR = {"sage2-8b": 0.999, "int8-flash": 0.9995, "sage2-4b": 0.996}
 # quantpatch's path with unquantized numerics: batch vs alone max |diff| measured 8.3e-7.
 PADDED_BATCH_EXACT_ATOL = 1e-5
 
