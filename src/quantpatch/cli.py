@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
-    args = parser.parse_args(argv if argv else ["compare"])
+    args = parser.parse_args(argv)
+    if args.command is None:  # bare `quantpatch`: the default job
+        args = parser.parse_args(["compare"])
     if args.command == "compare":
         _print_table(compare(args))
     else:

@@ -9,3 +9,15 @@ def test_compare_runs_every_mode_on_embedded_inputs():
     rows = compare(args)
     assert [r["mode"] for r in rows] == ["fireq", "int8-flash", "sage2-4b", "sage2-8b", "turbo"]
     assert all(r["cos_sim"] > 0.99 for r in rows)
+
+
+def test_console_entry_reads_sys_argv(monkeypatch, capsys):
+    from quantpatch.cli import main
+
+    monkeypatch.setattr("sys.argv", ["quantpatch", "info", "--help"])
+    try:
+        main()
+    except SystemExit as exit_:
+        assert exit_.code == 0
+    out = capsys.readouterr().out
+    assert "usage: quantpatch info" in out and "CosSim" not in out
