@@ -9,6 +9,23 @@ from __future__ import annotations
 from typing import Any, Callable
 
 
+def selected(name: str, include: list[str] | None, exclude: list[str] | None) -> bool:
+    """Whether site ``name`` passes ``patch_model``'s include/exclude substring filters."""
+    if include and not any(s in name for s in include):
+        return False
+    return not (exclude and any(s in name for s in exclude))
+
+
+def note_untested(handle: Any, message: str, *, strict: bool, how: str) -> None:
+    """An untested model family: raise under ``strict``, else patch it ``how`` and say so."""
+    from quantpatch.fallback import UnsupportedError, logger
+
+    if strict:
+        raise UnsupportedError(message)
+    handle.notes.append(f"{message}; {how}")
+    logger.warning(message)
+
+
 def _class_names(obj: Any) -> set[tuple[str, str]]:
     return {(cls.__module__.split(".")[0], cls.__name__) for cls in type(obj).__mro__}
 

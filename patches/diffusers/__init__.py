@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from quantpatch.config import ModeConfig
-from quantpatch.fallback import UnsupportedError, logger
+from quantpatch.patches import note_untested, selected
 from quantpatch.patches.diffusers.families import FAMILIES
 from quantpatch.patches.diffusers.processors import wrap_processor
 from quantpatch.patching import PATCHED_MARK, PatchHandle
@@ -57,21 +57,16 @@ def patch_diffusers_model(
     route = FAMILIES.get(name)
     if route is None:
         message = f"{name} is not in quantpatch's tested Diffusers families {sorted(FAMILIES)}"
-        if strict:
-            raise UnsupportedError(message)
-        handle.notes.append(message + "; patched through its processors' SDPA calls all the same")
-        logger.warning(message)
+        note_untested(handle, message, strict=strict, how="patched through its processors' SDPA calls all the same")
         route = "sdpa"
     # No AttentionMixin (Mochi): swap each module's ``processor`` attribute, recorded in the handle.
     owners = None if hasattr(transformer, "attn_processors") else processor_owners(transformer)
     originals = dict(transformer.attn_processors) if owners is None else {s: m.processor for s, m in owners.items()}
     replacements = {}
     for site, processor in originals.items():
-        selected = not (include and not any(s in site for s in include)) and not (
-            exclude and any(s in site for s in exclude)
-        )
-        if not selected or isinstance(processor, torch.nn.Module):
-            reason = "excluded" if not selected else "stateful (nn.Module) processor kept"
+        is_selected = selected(site, include, exclude)
+        if not is_selected or isinstance(processor, torch.nn.Module):
+            reason = "excluded" if not is_selected else "stateful (nn.Module) processor kept"
             handle.add_site(site, "attention", f"original {type(processor).__name__} ({reason})")
             replacements[site] = processor
             continue

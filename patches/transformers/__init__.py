@@ -13,7 +13,7 @@ import itertools
 from typing import Any
 
 from quantpatch.config import ModeConfig
-from quantpatch.fallback import UnsupportedError, logger
+from quantpatch.patches import note_untested, selected
 from quantpatch.patches.transformers.attention import SITE_ATTR, AttentionSite, make_attention_function
 from quantpatch.patches.transformers.families import FAMILIES
 from quantpatch.patches.transformers.turbo_cache import install_generate_hook
@@ -29,12 +29,6 @@ def _dispatches_attention(module: Any) -> bool:
         return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(forward)
     except (OSError, TypeError):
         return False
-
-
-def _selected(name: str, include: list[str] | None, exclude: list[str] | None) -> bool:
-    if include and not any(s in name for s in include):
-        return False
-    return not (exclude and any(s in name for s in exclude))
 
 
 def patch_transformers_model(
@@ -54,10 +48,7 @@ def patch_transformers_model(
     family = FAMILIES.get(model_type)
     if family is None:
         message = f"model type {model_type!r} is not in quantpatch's tested families {sorted(FAMILIES)}"
-        if strict:
-            raise UnsupportedError(message)
-        handle.notes.append(message + "; patched through AttentionInterface all the same")
-        logger.warning(message)
+        note_untested(handle, message, strict=strict, how="patched through AttentionInterface all the same")
     if not model._can_set_attn_implementation():
         raise ValueError(f"{type(model).__name__} does not dispatch attention through AttentionInterface")
     if mode.kv_cache.kind not in ("none", "turbo") or mode.linear.kind != "none":
@@ -76,10 +67,10 @@ def patch_transformers_model(
     if not sites:
         raise ValueError(f"found no attention module dispatching through AttentionInterface in {type(model).__name__}")
     for name, module in sites:
-        selected = _selected(name, include, exclude)
-        runs = f"quantpatch {mode.name} attention" if selected else f"original {original_impl} attention (excluded)"
+        is_selected = selected(name, include, exclude)
+        runs = f"quantpatch {mode.name} attention" if is_selected else f"original {original_impl} attention (excluded)"
         record = handle.add_site(name, "attention", runs)
-        config = handle.attention_config(name) if selected else None
+        config = handle.attention_config(name) if is_selected else None
         site = AttentionSite(config, record, strict, original_impl, softcap)
         handle.setattr(module, SITE_ATTR, site)
 

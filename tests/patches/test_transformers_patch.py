@@ -176,3 +176,17 @@ def test_accelerate_offload_hooks_stay_intact(no_leaks):
         assert {n: m._hf_hook for n, m in model.named_modules() if hasattr(m, "_hf_hook")} == hooks
     assert not handle.fallbacks() and qp.cos_sim(patched, base) > LOGIT_COS_FLOOR["sage2-8b"]
     assert torch.equal(_out(model, inputs), base)
+
+
+def test_untested_family_is_patched_with_a_note_or_refused_under_strict(no_leaks):
+    import transformers as T
+
+    torch.manual_seed(0)
+    model = T.OPTForCausalLM(T.OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                         ffn_dim=128, word_embed_proj_dim=64)).eval()
+    with pytest.raises(qp.UnsupportedError, match="model type 'opt' is not in quantpatch's tested families"):
+        qp.patch_model(model, "sage2-8b", strict=True)
+    assert not hasattr(model, "_quantpatch_handle")
+    with qp.patch_model(model, "sage2-8b") as handle:
+        assert any("'opt'" in note and "all the same" in note for note in handle.notes)
+        assert len(handle.sites) == 2
