@@ -147,9 +147,11 @@ class QuantAttention(BlockedAttention):
         self.delta_s_q = None
         self.lse_shift = None
         if k_quantized is None:
-            k_s = k - k.mean(dim=-2, keepdim=True) if cfg.smooth_k else k
+            k_s = k
             if cfg.smooth_k:
-                self.lse_shift = smooth_k_lse_shift(q, k.mean(dim=-2))
+                k_mean = k.mean(dim=-2, keepdim=True)
+                k_s = k - k_mean
+                self.lse_shift = smooth_k_lse_shift(q, k_mean.squeeze(-2))
             k_hat, k_scale = quantize_qk(k_s, cfg, "k")
         else:
             k_s, (k_hat, k_scale) = k, k_quantized

@@ -16,6 +16,8 @@ import quantpatch as qp
 from quantpatch.fallback import reset_fallback_warnings
 from tests.patches.diffusers_tiny import BUILDERS, tiny_transformer, tiny_wan_pipeline
 
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/patches/conftest.py
+
 pytest.importorskip("diffusers")
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -89,17 +91,6 @@ def _dispatch_swapped() -> list[str]:
         if name.startswith("diffusers.") and getattr(module, "dispatch_attention_fn", dispatch_attention_fn)
         is not dispatch_attention_fn
     ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """These tiny models run fastest on one thread; two OpenMP threads on a busy 2-core CI box spin ~5x longer."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture

