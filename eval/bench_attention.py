@@ -42,7 +42,7 @@ from quantpatch.environment import environment_info
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "eval" / "results" / "bench_attention"
-MODES = ("sage2-8b", "sage2-4b", "int8-flash", "fireq")
+MODES = ("sage2-8b", "sage2-4b", "int8-flash", "fireq", "turbo")
 BASELINES = ("sdpa-flash", "sdpa-cudnn")
 L2_ROTATE_BYTES = 256 * 2**20  # rotate input sets while one set is smaller than this
 logger = logging.getLogger("quantpatch").getChild("eval.bench_attention")
@@ -142,7 +142,7 @@ def speed_rows(args) -> list[dict]:
             parts = [fast_paths.quantize_qkv_op(*s, **opts) for s in sets]
             extra = (n, causal, 1 / math.sqrt(d), False, torch.bfloat16, cfg.block_q, cfg.l_from_quantized_p,
                      cfg.two_level_accum, blocks["block_m"], blocks["block_n"], blocks["num_warps"],
-                     blocks["num_stages"])
+                     blocks["num_stages"], cfg.exp == "sas", cfg.pv_qmax)
             add(mode, "kernel", bench(lambda i, p=parts, e=extra: fast_paths.attn_qk_int8_pv_fp8_op(*p[i], *e),
                                       n_sets, args.warmup, args.rep))
             parts = None
@@ -206,7 +206,7 @@ def tune_rows(args) -> list[dict]:
                 if args.variants and vname not in args.variants:
                     continue
                 kw = dict(is_causal=causal, block_q=cfg.block_q, l_from_quantized_p=cfg.l_from_quantized_p,
-                          two_level_accum=cfg.two_level_accum)
+                          two_level_accum=cfg.two_level_accum, turbo=cfg.exp == "sas", p_qmax=cfg.pv_qmax)
                 kw.update(over)
                 xv = x._replace(delta_s=x.delta_s[:0]) if kw.pop("no_delta_s", False) else x
                 if cfg.smooth_q and cfg.block_q % kw["block_m"]:

@@ -89,7 +89,7 @@ class BlockedAttention:
 
         S_j   = scores(j)                         (masked entries −∞)
         m_j   = max(m_{j−1}, rowmax(S_j))
-        P̃_j   = exp_fn(S_j − m_j)                 α_j = exp_fn(m_{j−1} − m_j)
+        P̃_j   = exp_fn(S_j − m_j)                 α_j = exp_fn(m_{j−1} − m_j)  (1 where row sees none of S_j)
         R_j, ℓ_add = pv(P̃_j, j)                  (quantized P·V and the denominator increment)
         acc_j = accumulate(acc_{j−1}, α_j, R_j)   ℓ_j = α_j ℓ_{j−1} + ℓ_add
     and finally ``O = finalize(acc) / ℓ``, ``lse = m + log(ℓ · l_scale)``.
@@ -139,10 +139,13 @@ class BlockedAttention:
                 s = s.masked_fill(~causal_allowed(nq, nk, k0, k1, device), float("-inf"))
             if mask is not None:
                 s = s + mask[..., k0:k1]
-            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+            block_max = s.amax(dim=-1, keepdim=True)
+            m_new = torch.maximum(m, block_max)
             # Rows that have seen no key yet keep m = −∞; shift by 0 there so exp gives 0, not NaN.
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-            alpha = self.exp_fn(m - m_safe)
+            # A block a row cannot see leaves its state alone (α = 1), as kernels that skip masked
+            # blocks do; it matters for approximate exps only (SAS(0) = 0.9996 would scale ℓ).
+            alpha = torch.where(block_max == float("-inf"), torch.ones_like(m), self.exp_fn(m - m_safe))
             p = self.exp_fn(s - m_safe)
             r, l_add = self.pv(p, k0, k1)
             acc = self.accumulate(acc, alpha, r)

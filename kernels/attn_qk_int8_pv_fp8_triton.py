@@ -12,6 +12,12 @@ One kernel serves the prefill numerics of ``sage2`` (INT8/INT4-range Q·K, FP8 P
     acc = α acc + Rⱼ,   ℓ = α ℓ + rowsum(P̃ | P̂/127)
     O   = acc · δV / pmax / ℓ (+ mean V),   lse = (m + log₂ ℓ) · ln 2
 
+``turbo`` (TurboAttention Alg. 1) takes the same loop with its own softmax and P·V steps
+(``TURBO``): S in natural units, P̃ = SAS(S − m') and α = SAS(m − m') (LUT[⌊−x⌋] · cubic, 0 below
+n_r = −6), P̂ = rne(P̃ / δP) with the dynamic per-tile δP = max(P̃ over BLOCK_M × BLOCK_N)/119,
+Rⱼ = (P̂ V̂ⱼ) · δP · δVⱼ with a per-key-block V scale, ℓ sums P̃, O = acc / ℓ, lse = m + ln ℓ.
+So BLOCK_M is the paper's query block and BLOCK_N its key block.
+
 ``V̂`` arrives transposed (``(B, Hkv, D, Nk_pad)``, tokens contiguous) because Hopper's 8-bit
 wgmma reads both operands K-major. Causal masks are bottom-right aligned (query i sees keys
 j ≤ i + Nk − Nq); the key loop runs unmasked over the blocks every row of the tile sees and
@@ -27,9 +33,38 @@ import triton
 import triton.language as tl
 
 from .qk_quant_triton import QuantizedQKV, _to_fp8e4m3, interpreting
+from .sas_ref import POLY_COEFFS, sas_lut
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+MAGIC_F = tl.constexpr(12582912.0)  # 1.5·2²³: x + MAGIC_F puts rne(x) in the low mantissa bits for |x| < 2²²
+MAGIC_I = tl.constexpr(0x4B400000)  # its bit pattern
+
+SAS_THRESHOLD = -6.0  # the n_r the kernel's LUT is unrolled for (TurboAttention's); others run the reference
+_SAS_C3, _SAS_C2, _SAS_C1, _SAS_C0 = (tl.constexpr(c) for c in POLY_COEFFS)
+_SAS_E1, _SAS_E2, _SAS_E3, _SAS_E4, _SAS_E5, _SAS_E6 = (tl.constexpr(e) for e in sas_lut(SAS_THRESHOLD)[1:])
+
+
+@triton.jit
+def _sas_exp(x):
+    """TurboAttention's SAS ``exp(x)`` for ``x <= 0`` (``sas_ref.sas_exp`` at n_r = −6): 0 below −6 and for −∞."""
+    keep = x >= -6.0
+    t = tl.where(keep, tl.maximum(-x, 0.0), 0.0)
+    i = tl.floor(t)
+    f = t - i
+    poly = ((_SAS_C3 * f + _SAS_C2) * f + _SAS_C1) * f + _SAS_C0
+    lut = tl.where(i < 1.0, 1.0, tl.where(i < 2.0, _SAS_E1, tl.where(i < 3.0, _SAS_E2, tl.where(
+        i < 4.0, _SAS_E3, tl.where(i < 5.0, _SAS_E4, tl.where(i < 6.0, _SAS_E5, _SAS_E6))))))
+    return tl.where(keep, lut * poly, 0.0)
+
+
+@triton.jit
+def _mask_scores(s, cols, offs_m, NK, DIAG, CAUSAL: tl.constexpr):
+    """``s`` with keys past ``NK`` (and, causal, past row ``i + DIAG``) set to −∞."""
+    keep = cols[None, :] < NK
+    if CAUSAL:
+        keep = keep & (cols[None, :] <= offs_m[:, None] + DIAG)
+    return tl.where(keep, s, float("-inf"))
 
 
 @triton.jit
@@ -61,7 +96,7 @@ def _attn_block(
             if MAGIC_I2F:
                 # |s_int| <= 127² · 128 < 2²²: adding 1.5·2²³'s bit pattern makes a float whose low
                 # mantissa bits are s_int; the integer add runs on the ALU, not the slow I2F unit.
-                s = ((s_int + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0) * ks[None, :]
+                s = ((s_int + MAGIC_I).to(tl.float32, bitcast=True) - MAGIC_F) * ks[None, :]
             else:
                 s = s_int.to(tl.float32) * ks[None, :]
         if SMOOTH_Q:
@@ -69,10 +104,7 @@ def _attn_block(
         else:
             s = s * qs[:, None]
         if MASKED:
-            keep = cols[None, :] < NK
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + DIAG)
-            s = tl.where(keep, s, float("-inf"))
+            s = _mask_scores(s, cols, offs_m, NK, DIAG, CAUSAL)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: 2^-inf = 0, not NaN
         else:
@@ -84,11 +116,11 @@ def _attn_block(
         if PV_INT8:
             # P_MAX·P̃ ∈ [0, 127]: adding 1.5·2²³ rounds it half-to-even into the low mantissa bits, so
             # the integer comes out with integer ops instead of the slow float-to-int unit
-            p_bits = (p + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+            p_bits = (p + MAGIC_F).to(tl.int32, bitcast=True) - MAGIC_I
             p_hat = p_bits.to(tl.int8)
             r = tl.dot(p_hat, tl.trans(vt), out_dtype=tl.int32)
             # |R| <= 127² · BLOCK_N < 2²²: the same trick back to float
-            r = (r + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+            r = (r + MAGIC_I).to(tl.float32, bitcast=True) - MAGIC_F
             acc = acc * alpha[:, None] + r
         else:
             p_hat = _to_fp8e4m3(p, EMULATE)
@@ -107,6 +139,47 @@ def _attn_block(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _attn_block_turbo(
+    acc, l_i, m_i, q, qs, K_ptr, KS_ptr, VT_ptr, VS_ptr,
+    lo, hi, offs_m, row_ok, NK, DIAG,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NK_PAD_STRIDE, P_QMAX: tl.constexpr,
+    CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+):
+    """TurboAttention's steps over keys ``[lo, hi)`` (``qs`` carries the natural softmax scale).
+
+    Rows past NQ are zeroed before the tile max, so that δP is the max over real rows only. A row
+    that sees no key of a block keeps its state (α = 1), as in ``BlockedAttention``.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k = tl.load(K_ptr + cols[:, None] * HEAD_DIM + offs_d[None, :])
+        s_int = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
+        s = s_int.to(tl.float32) * tl.load(KS_ptr + cols)[None, :] * qs[:, None]
+        if MASKED:
+            s = _mask_scores(s, cols, offs_m, NK, DIAG, CAUSAL)
+        block_max = tl.max(s, 1)
+        m_new = tl.maximum(m_i, block_max)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = _sas_exp(m_i - m_safe)
+        if MASKED:  # a block a row cannot see leaves its state alone (SAS(0) = 0.9996, not 1)
+            alpha = tl.where(block_max == float("-inf"), 1.0, alpha)
+        p = tl.where(row_ok[:, None], _sas_exp(s - m_safe[:, None]), 0.0)
+        p_scale = tl.math.div_rn(tl.max(tl.max(p, 1), 0), P_QMAX)
+        p_scale = tl.where(p_scale == 0.0, 1.0, p_scale)
+        p_q = tl.minimum(tl.math.div_rn(p, p_scale), P_QMAX)  # P̃ >= 0: only the top clamp can bind
+        p_hat = ((p_q + MAGIC_F).to(tl.int32, bitcast=True) - MAGIC_I).to(tl.int8)
+        vt = tl.load(VT_ptr + offs_d[:, None] * NK_PAD_STRIDE + cols[None, :])
+        r = tl.dot(p_hat, tl.trans(vt), out_dtype=tl.int32)
+        r = (r + MAGIC_I).to(tl.float32, bitcast=True) - MAGIC_F  # |R| <= 119² · BLOCK_N < 2²²
+        acc = acc * alpha[:, None] + r * p_scale * tl.load(VS_ptr + start_n // BLOCK_N)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
 @triton.jit(do_not_specialize=["NQ", "NK"])
 def _attn_fwd_kernel(
     Q_ptr, K_ptr, VT_ptr, QS_ptr, KS_ptr, DS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr,
@@ -117,6 +190,7 @@ def _attn_fwd_kernel(
     SMOOTH_Q: tl.constexpr, SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, V_TENSOR: tl.constexpr,
     CAUSAL: tl.constexpr,
     RETURN_LSE: tl.constexpr, TWO_LEVEL: tl.constexpr, MAGIC_I2F: tl.constexpr, EMULATE: tl.constexpr,
+    TURBO: tl.constexpr,
 ):
     """One tile of BLOCK_M query rows of one (batch, head)."""
     LOG2_PMAX: tl.constexpr = math.log2(P_MAX)
@@ -158,22 +232,33 @@ def _attn_fwd_kernel(
         full_hi = NK
     hi = tl.maximum(hi, 0)
     full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _attn_block(
-        acc, l_i, m_i, q, qs, k_base, ks_base, vt_base, ds_base, ds_shift, qk_scale, 0, full_hi, offs_m, NK, diag,
-        HEAD_DIM, BLOCK_N, NK_PAD, QK_FP8, PV_INT8, P_MAX, L_FROM_P, SMOOTH_Q, CAUSAL, False, TWO_LEVEL, MAGIC_I2F,
-        EMULATE,
-    )
-    acc, l_i, m_i = _attn_block(
-        acc, l_i, m_i, q, qs, k_base, ks_base, vt_base, ds_base, ds_shift, qk_scale, full_hi, hi, offs_m, NK, diag,
-        HEAD_DIM, BLOCK_N, NK_PAD, QK_FP8, PV_INT8, P_MAX, L_FROM_P, SMOOTH_Q, CAUSAL, True, TWO_LEVEL, MAGIC_I2F,
-        EMULATE,
-    )
-
-    # acc is in units of P_MAX·V̂ and l_i in units of P_MAX: the two P_MAX cancel
-    if V_TENSOR:
-        out = acc * tl.load(VS_ptr)
+    if TURBO:
+        vs_base = VS_ptr + bh_kv.to(tl.int64) * (NK_PAD // BLOCK_N)
+        acc, l_i, m_i = _attn_block_turbo(
+            acc, l_i, m_i, q, qs, k_base, ks_base, vt_base, vs_base, 0, full_hi, offs_m, row_ok, NK, diag,
+            HEAD_DIM, BLOCK_N, NK_PAD, P_MAX, CAUSAL, False,
+        )
+        acc, l_i, m_i = _attn_block_turbo(
+            acc, l_i, m_i, q, qs, k_base, ks_base, vt_base, vs_base, full_hi, hi, offs_m, row_ok, NK, diag,
+            HEAD_DIM, BLOCK_N, NK_PAD, P_MAX, CAUSAL, True,
+        )
+        out = acc  # dequantized block by block
     else:
-        out = acc * tl.load(VS_ptr + bh_kv * HEAD_DIM + offs_d)[None, :]
+        acc, l_i, m_i = _attn_block(
+            acc, l_i, m_i, q, qs, k_base, ks_base, vt_base, ds_base, ds_shift, qk_scale, 0, full_hi, offs_m, NK, diag,
+            HEAD_DIM, BLOCK_N, NK_PAD, QK_FP8, PV_INT8, P_MAX, L_FROM_P, SMOOTH_Q, CAUSAL, False, TWO_LEVEL,
+            MAGIC_I2F, EMULATE,
+        )
+        acc, l_i, m_i = _attn_block(
+            acc, l_i, m_i, q, qs, k_base, ks_base, vt_base, ds_base, ds_shift, qk_scale, full_hi, hi, offs_m, NK,
+            diag, HEAD_DIM, BLOCK_N, NK_PAD, QK_FP8, PV_INT8, P_MAX, L_FROM_P, SMOOTH_Q, CAUSAL, True, TWO_LEVEL,
+            MAGIC_I2F, EMULATE,
+        )
+        # acc is in units of P_MAX·V̂ and l_i in units of P_MAX: the two P_MAX cancel
+        if V_TENSOR:
+            out = acc * tl.load(VS_ptr)
+        else:
+            out = acc * tl.load(VS_ptr + bh_kv * HEAD_DIM + offs_d)[None, :]
     empty = l_i == 0.0
     out = out / tl.where(empty, 1.0, l_i)[:, None]
     if SMOOTH_V:
@@ -182,8 +267,11 @@ def _attn_fwd_kernel(
     o_ptrs = O_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
     tl.store(o_ptrs, out.to(O_ptr.dtype.element_ty), mask=row_ok[:, None])
     if RETURN_LSE:
-        lse2 = m_i + tl.math.log2(tl.where(empty, 1.0, l_i)) - LOG2_PMAX
-        lse = tl.where(empty, float("-inf"), lse2 * 0.6931471805599453)
+        if TURBO:  # m and ℓ in natural units
+            lse = m_i + tl.log(tl.where(empty, 1.0, l_i))
+        else:
+            lse = (m_i + tl.math.log2(tl.where(empty, 1.0, l_i)) - LOG2_PMAX) * 0.6931471805599453
+        lse = tl.where(empty, float("-inf"), lse)
         tl.store(LSE_ptr + pid_bh.to(tl.int64) * NQ + offs_m, lse, mask=row_ok)
 
 
@@ -204,12 +292,17 @@ def attn_qk_int8_pv_fp8(
     num_stages: int = 2,
     magic_i2f: bool = False,
     maxnreg: int | None = None,
+    turbo: bool = False,
+    p_qmax: int = 119,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the operands of :func:`~quantpatch.kernels.qk_quant_triton.quantize_qkv` for ``nk`` keys.
 
     The operand dtypes choose the numerics: ``q_hat`` int8 → INT8 Q·Kᵀ, float8_e4m3fn → FP8;
     ``v_hat_t`` float8_e4m3fn → FP8 P·V (P̂ = e4m3(448 P̃)), int8 → INT8 P·V (P̂ = rne(127 P̃)).
     ``delta_s`` non-empty adds the smooth-Q bias (its rows are query blocks of ``block_q``).
+    ``turbo`` runs TurboAttention's SAS softmax with P̂ = rne(P̃ / (max_tile P̃ / ``p_qmax``)) over
+    INT8 V with one scale per key block (``v_scale (B, Hkv, Nk_pad / block_n)``); its P tile is
+    ``block_m × block_n``, so ``block_m`` must be the config's ``block_q`` and ``block_n`` its ``block_k``.
 
     Returns:
         ``o (B, H, Nq, D)`` in ``out_dtype`` and ``lse (B, H, Nq)`` float32 natural log
@@ -226,18 +319,24 @@ def attn_qk_int8_pv_fp8(
     pv_int8 = x.v_hat_t.dtype == torch.int8
     p_max = 127.0 if pv_int8 else 448.0
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    qk_scale = scale * LOG2E  # the exp2 softmax folds log₂e into the scores
+    if turbo:
+        if qk_fp8 or not pv_int8 or smooth_q or x.v_scale.shape != (b, hkv, nk_pad // block_n) or block_m != block_q:
+            raise ValueError("turbo needs INT8 Q/K/V operands, no ΔS, one V scale per key block of block_n "
+                             "and block_m = block_q (the P tile)")
+        p_max, qk_scale = float(p_qmax), scale  # SAS works on natural-unit scores
     o = torch.empty((b, h, nq, d), device=x.q_hat.device, dtype=out_dtype)
     lse = torch.empty((b, h, nq) if return_lse else (0,), device=o.device, dtype=torch.float32)
     grid = (triton.cdiv(nq, block_m), b * h)
     _attn_fwd_kernel[grid](
         x.q_hat, x.k_hat, x.v_hat_t, x.q_scale, x.k_scale, x.delta_s, x.q_mean, x.k_mean, x.v_scale, x.v_mean, o, lse,
         o.stride(0), o.stride(1), o.stride(2),
-        nq, nk, nk_pad, h, h // hkv, x.delta_s.shape[2] if smooth_q else 1, scale * LOG2E,
+        nq, nk, nk_pad, h, h // hkv, x.delta_s.shape[2] if smooth_q else 1, qk_scale,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, Q_BLOCK=block_q,
         QK_FP8=qk_fp8, PV_INT8=pv_int8, P_MAX=p_max, L_FROM_P=l_from_quantized_p,
         SMOOTH_Q=smooth_q, SMOOTH_K=x.k_mean.numel() > 0, SMOOTH_V=x.v_mean.numel() > 0,
         V_TENSOR=x.v_scale.numel() == 1, CAUSAL=is_causal,
-        RETURN_LSE=return_lse, TWO_LEVEL=two_level_accum, MAGIC_I2F=magic_i2f, EMULATE=interpreting(),
+        RETURN_LSE=return_lse, TWO_LEVEL=two_level_accum, MAGIC_I2F=magic_i2f, EMULATE=interpreting(), TURBO=turbo,
         num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     return o, lse

@@ -15,9 +15,8 @@ through them; launched on the current stream):
   (:func:`~quantpatch.kernels.attn_qk_int8_pv_fp8_triton.attn_qk_int8_pv_fp8`).
 
 Which path each mode takes: ``sage2-8b``/``sage2-4b`` (INT8 tensor cores, INT4 values for 4b),
-``int8-flash`` and ``fireq`` run these Triton kernels on sm_89/sm_90 (sm_80 for configs without
-FP8 operands); ``turbo`` (SAS exponential, per-tile P scale) has no kernel yet and runs the
-reference.
+``int8-flash``, ``fireq`` and ``turbo``'s prefill (SAS exponential, per-tile P scale, per-block V
+scale) run these Triton kernels on sm_89/sm_90 (sm_80 for configs without FP8 operands).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import torch
 from quantpatch.config import AttentionConfig
 from quantpatch.dispatch import AttentionCall, Implementation, register
 
-from .attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
+from .attn_qk_int8_pv_fp8_triton import SAS_THRESHOLD, attn_qk_int8_pv_fp8
 from .qk_quant_triton import GRAN_IDS, QuantizedQKV, quantize_qkv
 from .quant_attention_ref import smooth_k_lse_shift
 
@@ -58,16 +57,26 @@ def kernel_blocks(cfg: AttentionConfig, head_dim: int) -> dict:
     an H200 (2 programs per SM overlap one's softmax with the other's MMAs; see
     eval/results/bench_attention/NOTES.md).
     """
+    if cfg.exp == "sas":  # TurboAttention's P tile is block_q × block_k
+        return dict(block_m=cfg.block_q, block_n=cfg.block_k, num_warps=4, num_stages=3)
     block_m = 64 if not cfg.smooth_q or cfg.block_q % 64 == 0 else cfg.block_q
     return dict(block_m=block_m, block_n=KEY_BLOCK, num_warps=4, num_stages=3)
 
 
 def config_unsupported(cfg: AttentionConfig) -> str | None:
     """Why the Triton kernels cannot run ``cfg`` (None if they can)."""
-    if cfg.exp != "exact":
-        return f"exp={cfg.exp!r} (TurboAttention SAS) has no Triton kernel yet"
-    if cfg.p_from_block_max:
-        return "per-tile P scales (p_from_block_max) have no Triton kernel yet"
+    if cfg.exp == "sas":
+        turbo = (cfg.qk_format == "int8" and cfg.pv_format == "int8" and cfg.v_granularity == "block"
+                 and cfg.p_from_block_max and not cfg.smooth_q and not cfg.l_from_quantized_p)
+        if not turbo:
+            return ("SAS runs in the kernel only with TurboAttention's other steps (INT8 Q/K/V, per-block V, "
+                    "per-tile P, no smooth Q, ℓ from P̃)")
+        if cfg.sas_threshold != SAS_THRESHOLD:
+            return f"sas_threshold={cfg.sas_threshold} (the kernel's LUT is unrolled for n_r = {SAS_THRESHOLD})"
+        if cfg.block_q not in (64, 128) or cfg.block_k not in (64, 128):
+            return f"block_q={cfg.block_q}, block_k={cfg.block_k}: the turbo kernel's tiles take 64 or 128"
+    elif cfg.p_from_block_max or cfg.v_granularity == "block":
+        return "per-tile P scales and per-block V scales run in the kernel only with SAS (mode turbo)"
     if cfg.emulate_fp22:
         return "emulate_fp22 is a reference-only knob (the GPU accumulator is the real FP22)"
     if cfg.qk_format not in ("int8", "int4", "fp8_e4m3"):
@@ -76,8 +85,6 @@ def config_unsupported(cfg: AttentionConfig) -> str | None:
         return f"qk_granularity={cfg.qk_granularity!r} not implemented by the kernels"
     if cfg.pv_format not in ("fp8_e4m3", "int8"):
         return f"pv_format={cfg.pv_format!r} not implemented by the kernels"
-    if cfg.v_granularity == "block":
-        return "per-block V scales have no Triton kernel yet"
     if cfg.smooth_v and cfg.v_granularity == "tensor":
         return "smooth_v with a per-tensor V scale is not implemented by the kernels"
     for name in ("block_q", "block_k"):
@@ -169,19 +176,21 @@ def attn_qk_int8_pv_fp8_op(
     k_mean: torch.Tensor, delta_s: torch.Tensor, v_hat_t: torch.Tensor, v_scale: torch.Tensor, v_mean: torch.Tensor,
     nk: int, is_causal: bool, sm_scale: float, return_lse: bool, out_dtype: torch.dtype, block_q: int,
     l_from_quantized_p: bool, two_level_accum: bool, block_m: int, block_n: int, num_warps: int, num_stages: int,
+    turbo: bool, p_qmax: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Custom-op form of :func:`attn_qk_int8_pv_fp8` over the fields of ``QuantizedQKV``."""
     x = QuantizedQKV(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean)
     return attn_qk_int8_pv_fp8(
         x, nk, is_causal=is_causal, sm_scale=sm_scale, return_lse=return_lse, out_dtype=out_dtype, block_q=block_q,
         l_from_quantized_p=l_from_quantized_p, two_level_accum=two_level_accum, block_m=block_m, block_n=block_n,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, turbo=turbo, p_qmax=p_qmax,
     )
 
 
 @attn_qk_int8_pv_fp8_op.register_fake
 def _(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean, nk, is_causal, sm_scale,
-      return_lse, out_dtype, block_q, l_from_quantized_p, two_level_accum, block_m, block_n, num_warps, num_stages):
+      return_lse, out_dtype, block_q, l_from_quantized_p, two_level_accum, block_m, block_n, num_warps, num_stages,
+      turbo, p_qmax):
     b, h, nq, d = q_hat.shape
     lse_shape = (b, h, nq) if return_lse else (0,)
     return q_hat.new_empty((b, h, nq, d), dtype=out_dtype), q_hat.new_empty(lse_shape, dtype=torch.float32)
@@ -216,7 +225,8 @@ def quantized_attention(
     kb = kernel_blocks(cfg, q.shape[-1]) if blocks is None else blocks
     o, lse = attn_qk_int8_pv_fp8_op(
         *parts, k.shape[2], is_causal, sm_scale, return_lse, q.dtype, cfg.block_q, cfg.l_from_quantized_p,
-        cfg.two_level_accum, kb["block_m"], kb["block_n"], kb["num_warps"], kb["num_stages"],
+        cfg.two_level_accum, kb["block_m"], kb["block_n"], kb["num_warps"], kb["num_stages"], cfg.exp == "sas",
+        cfg.pv_qmax,
     )
     if return_lse and cfg.smooth_k:  # the kernel's LSE is that of the K-smoothed scores
         lse = lse + sm_scale * smooth_k_lse_shift(q.float(), parts[5])

@@ -16,6 +16,7 @@ from quantpatch.config import ModeConfig
 from quantpatch.patches import note_untested, selected
 from quantpatch.patches.transformers.attention import SITE_ATTR, AttentionSite, make_attention_function
 from quantpatch.patches.transformers.families import FAMILIES
+from quantpatch.patches.transformers.masks import shape_skipping_mask
 from quantpatch.patches.transformers.turbo_cache import install_generate_hook
 from quantpatch.patching import PatchHandle
 
@@ -59,6 +60,8 @@ def patch_transformers_model(
 
     # Fallbacks run the original attention, so the mask must be in its format (bool for sdpa,
     # additive for eager); quantpatch.attention takes either. Other originals fall back to sdpa.
+    # Over sdpa, plain causal/bidirectional masks are skipped from shapes alone (masks.py), so that
+    # torch.compile traces reach the kernels with is_causal rather than a materialised mask.
     original_impl = model.config._attn_implementation
     if original_impl not in MASK_COMPATIBLE:
         original_impl = "sdpa"
@@ -76,9 +79,9 @@ def patch_transformers_model(
 
     key = f"quantpatch_{next(_keys)}"
     handle.setitem(AttentionInterface._global_mapping, key, make_attention_function())
-    handle.setitem(
-        ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, key, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[original_impl]
-    )
+    mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[original_impl]
+    mask = shape_skipping_mask(mask) if original_impl == "sdpa" else mask
+    handle.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, key, mask)
     configs = {
         id(m.config): m.config
         for m in model.modules()

@@ -57,7 +57,7 @@ LSE_ATOL_L_FROM_P = 3e-2
 DELTA_S_RTOL = 1e-5
 MEAN_RTOL = 1e-5
 
-MODES = ["sage2-8b", "sage2-4b", "int8-flash", "fireq"]
+MODES = ["sage2-8b", "sage2-4b", "int8-flash", "fireq", "turbo"]
 # Small shapes for the interpreter: odd lengths and tails, GQA 4/2, q_len < kv_len and >.
 SMALL_SHAPES = [(17, 113), (113, 17), (1, 1), (113, 113)]
 EXACT_BLOCKS = dict(block_m=64, block_n=64, num_warps=4, num_stages=1)
@@ -192,7 +192,7 @@ def test_custom_op_fake_shapes_match_the_kernels():
     q, k, v = _inputs(17, 113)
     options = fast_paths.quant_options(get_mode("sage2-8b").attention)
     real = fast_paths.quantize_qkv_op(q, k, v, **options)
-    attn_args = (113, True, 0.125, True, torch.float16, 128, False, True, 64, 64, 4, 1)
+    attn_args = (113, True, 0.125, True, torch.float16, 128, False, True, 64, 64, 4, 1, False, 119)
     real_o = fast_paths.attn_qk_int8_pv_fp8_op(*real, *attn_args)
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         parts = torch.ops.quantpatch.quantize_qkv(*(mode.from_tensor(t) for t in (q, k, v)), **options)
@@ -210,7 +210,11 @@ def test_unsupported_reasons():
     reason = call_unsupported(AttentionCall(q, k, v, cfg, False, None, None, False))
     if not CUDA:
         assert "CUDA" in reason
-    assert "SAS" in config_unsupported(get_mode("turbo").attention)
+    turbo = get_mode("turbo").attention
+    assert config_unsupported(turbo) is None
+    assert "n_r" in config_unsupported(turbo.replace(sas_threshold=-8.0))
+    assert "SAS" in config_unsupported(turbo.replace(v_granularity="channel"))
+    assert "only with SAS" in config_unsupported(turbo.replace(exp="exact"))
     assert "emulate_fp22" in config_unsupported(cfg.replace(emulate_fp22=True))
     assert config_unsupported(cfg) is None
 

@@ -152,8 +152,6 @@ def test_gpu_patched_llama_runs_under_torch_compile():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.xfail(strict=True, reason="known gap: under torch.compile Transformers materialises the causal mask, "
-                   "the kernels decline any attn_mask, and the reference path graph-breaks on .item()")
 def test_gpu_patched_llama_compiles_through_the_kernels_without_extra_graph_breaks():
     model, ids = _tiny_cuda_llama()
     _, base_breaks = _compiled_logits(model, ids)
