@@ -9,6 +9,7 @@ numerics; GPU kernels register themselves from ``quantpatch.kernels`` when CUDA 
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -56,19 +57,35 @@ def implementations(numerics: str) -> list[Implementation]:
     return list(_REGISTRY[numerics])
 
 
-_fast_paths_loaded = False
+_kernels_tried: set[str] = set()
+
+
+def load_kernels(module: str) -> None:
+    """Import a GPU kernel module once (on the first CUDA call): it registers itself where it serves."""
+    if module in _kernels_tried:
+        return
+    _kernels_tried.add(module)
+    try:
+        importlib.import_module(module)
+    except ImportError as err:  # Triton missing or too old: the reference serves every call
+        logger.warning("quantpatch GPU kernels %s unavailable (%s); using the PyTorch reference", module, err)
+
+
+def cuda_unsupported(t: torch.Tensor, min_capability: tuple[int, int], needs: str) -> str | None:
+    """Why ``t``'s device cannot run a kernel whose ``needs`` ask for ``min_capability`` (None if it can)."""
+    if not t.is_cuda:
+        return "inputs are not CUDA tensors"
+    if torch.version.hip is not None:
+        return "ROCm is not supported by these kernels"
+    cap = torch.cuda.get_device_capability(t.device)
+    if cap < min_capability:
+        return f"{needs} need compute capability >= {min_capability[0]}.{min_capability[1]}, got {cap[0]}.{cap[1]}"
+    return None
 
 
 def _load_fast_paths() -> None:
-    """Import the GPU kernels once, on the first CUDA call: they register themselves here."""
-    global _fast_paths_loaded
-    if _fast_paths_loaded:
-        return
-    _fast_paths_loaded = True
-    try:
-        import quantpatch.kernels.fast_paths  # noqa: F401
-    except ImportError as err:  # Triton missing or too old: the reference serves every call
-        logger.warning("quantpatch GPU kernels unavailable (%s); using the PyTorch reference", err)
+    """The attention kernels: they register themselves here."""
+    load_kernels("quantpatch.kernels.fast_paths")
 
 
 def select(call: AttentionCall) -> tuple[Implementation | None, list[str]]:

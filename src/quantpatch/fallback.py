@@ -48,11 +48,11 @@ class UnsupportedError(ValueError):
     """Raised under ``strict=True`` where quantpatch would otherwise fall back."""
 
 
-def fall_back(what: str, reason: str, *, strict: bool) -> None:
-    """Report that ``what`` falls back because of ``reason``: raise if strict, else warn once per message."""
-    message = f"{what}: {reason}; falling back to full precision"
+def fall_back(what: str, reason: str, *, strict: bool, to: str = "full precision") -> None:
+    """Report that ``what`` falls back to ``to`` because of ``reason``: raise if strict, else warn once per message."""
+    message = f"{what}: {reason}; falling back to {to}"
     if strict:
-        raise UnsupportedError(f"{what}: {reason} (strict=True forbids the full-precision fallback)")
+        raise UnsupportedError(f"{what}: {reason} (strict=True forbids the fallback to {to})")
     site = _current_site.get()
     if site is not None:
         site.fallbacks.add(reason)

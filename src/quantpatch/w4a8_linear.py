@@ -5,8 +5,10 @@ moves it): ``qweight uint8 (O, Kp/2)``, ``scales float8_e4m3fn (O, G)``, ``pts_e
 and an optional ``bias (O,)``. Numerics and layout: :mod:`quantpatch.kernels.w4a8_ref`.
 
 ``forward`` goes through :func:`w4a8_matmul`, the one dispatch point: a registered fast path
-(the Triton GEMM, when it lands) for the inputs it accepts, else the pure-PyTorch reference
-computing in float32 (FireQ's accumulator precision).
+for the inputs it accepts, else the pure-PyTorch reference computing in float32 (FireQ's
+accumulator precision). The Triton kernels (:mod:`quantpatch.kernels.w4a8_triton`, FP8 dots:
+sm_89+) are imported on the first CUDA input and register themselves; on other devices the
+reference is the path, and shapes the kernels do not take fall back to it with one warning.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from quantpatch.dispatch import load_kernels
 from quantpatch.kernels.w4a8_ref import (
     GROUP_SIZE,
     WEIGHT_OPERANDS,
@@ -39,6 +42,8 @@ def register_w4a8_fast_path(name: str, accepts: Callable, run: Callable) -> None
 
 def w4a8_matmul(x: torch.Tensor, module: W4A8Linear) -> torch.Tensor:
     """``module``'s product on ``x (..., K)``: the first registered fast path that accepts it, else the reference."""
+    if x.is_cuda:  # the Triton kernels register themselves on import
+        load_kernels("quantpatch.kernels.w4a8_triton")
     for _, accepts, run in _FAST_PATHS:
         if accepts(x, module):
             return run(x, module)

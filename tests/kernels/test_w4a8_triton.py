@@ -1,0 +1,267 @@
+"""FireQ W4A8-FP Triton kernels against :mod:`quantpatch.kernels.w4a8_ref`.
+
+Without CUDA the kernels run in the Triton interpreter (``conftest.py``) on small shapes; the
+interpreter runs the FP8 ``tl.dot`` too (in fp32 over the exact e4m3 values, checked below against
+float64). On a GPU the same tests run compiled, plus the ``gpu``-marked Llama-sized shapes.
+
+Bounds (no tuned numbers):
+* activation quantization: bit-exact (every e4m3 value and every BF16 scale) against the reference
+  computing in float32, the precision ``W4A8Linear`` runs it in.
+* GEMM: the kernel and the reference compute the same fp32 operations on the same exact products
+  ``x̂ ŵ`` and differ only in the order of the sums, so each output differs by at most a forward
+  error bound: ``|y − y_ref| ≤ 2 (γ + (G + 4) u) (mag + |bias|) + eps_out |y_ref|`` with
+  ``mag = β 2⁻ⁿ Σ_g σ_g Σ_k |x̂ ŵ|``, ``u = 2⁻²⁴`` (fp32), ``G`` groups (the sum over groups, the ×σ,
+  ×β and +bias roundings), the factor 2 for the two implementations, and ``eps_out`` for the two
+  roundings to the output dtype. ``γ`` bounds one group's 128-term dot: ``127 u`` in fp32 (CPU and
+  interpreter); on Hopper the FP8 MMA accumulates in a register of ≈ 13 mantissa bits that
+  truncates (SageAttention2 §3.4, measured FP22), bounded here by 8 truncations (4 K-steps of 32,
+  alignment and sum) of ≤ 2⁻¹² of the running magnitude each: ``γ_gpu = 2⁻⁹``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantpatch.fallback import QuantpatchFallbackWarning, SiteRecord, reset_fallback_warnings, running_site
+from quantpatch.kernels import w4a8_triton as wt
+from quantpatch.kernels.w4a8_ref import (
+    GROUP_SIZE,
+    quantize_activation_fp8,
+    quantize_weight,
+    unpack_weight,
+    w4a8_linear_ref,
+)
+from quantpatch.w4a8_linear import W4A8Linear
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on the device machine)")
+
+U_FP32 = 2.0**-24
+GAMMA_GROUP = 2.0**-9 if CUDA else (GROUP_SIZE - 1) * U_FP32  # one group's dot (module docstring)
+
+
+def _randn(*shape, seed, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
+
+
+def _layer(n, k, *, seed, pts=True, bias=True):
+    """A packed weight (LLM-like scale, so PTS picks n > 0) and an optional bias, on DEVICE."""
+    w = _randn(n, k, seed=seed, scale=0.02).float()
+    packed = quantize_weight(w, pts=pts)
+    b = _randn(n, seed=seed + 1).float().to(DEVICE) if bias else None
+    pts_exp = torch.tensor(packed.pts_exp, dtype=torch.int32, device=DEVICE)
+    return packed, (packed.qweight.to(DEVICE), packed.scales.to(DEVICE), pts_exp, b)
+
+
+def _error_bound(x, packed, bias, y_ref, out_dtype):
+    """The forward-error bound of the module docstring, elementwise ``(M, N)``, from CPU float64."""
+    x_hat, beta = quantize_activation_fp8(x.cpu().float(), compute_dtype=torch.float64)
+    q, sigma = unpack_weight(packed, torch.float64)
+    groups = sigma.shape[1]
+    mag = torch.einsum("mgk,ngk,ng->mn", x_hat.abs().reshape(x.shape[0], groups, GROUP_SIZE),
+                       q.abs().reshape(q.shape[0], groups, GROUP_SIZE), sigma)
+    mag = mag * beta * 2.0**-packed.pts_exp
+    if bias is not None:
+        mag = mag + bias.cpu().double().abs()
+    eps_out = torch.finfo(out_dtype).eps
+    return 2 * (GAMMA_GROUP + (groups + 4) * U_FP32) * mag + eps_out * y_ref.double().abs()
+
+
+def _check_gemm(m, n, k, *, seed, dtype, pts=True, bias=True, config=None):
+    packed, (qw, sc, pe, b) = _layer(n, k, seed=seed, pts=pts, bias=bias)
+    x = _randn(m, k, seed=seed + 2).to(dtype)
+    x_hat, beta = wt.quantize_activation_fp8(x.to(DEVICE))
+    y = wt.w4a8_gemm(x_hat, beta, qw, sc, pe, b, dtype, config=config)
+    assert y.shape == (m, n) and y.dtype == dtype
+    y_ref = w4a8_linear_ref(x, packed, None if b is None else b.cpu(), compute_dtype=torch.float32)
+    err = (y.cpu().double() - y_ref.double()).abs()
+    bound = _error_bound(x, packed, b, y_ref, dtype)
+    assert torch.isfinite(y.cpu()).all()
+    assert (err <= bound).all(), f"max err {err.max():.3e}, worst err/bound {(err / bound).max():.3f}"
+    return y
+
+
+# --------------------------------------------------------------------------- activation quantization
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k", [(1, 128), (5, 300), (3, 2500)])  # 2500 > ACT_BLOCK_K: two chunks per pass
+def test_activation_quantization_bit_exact(dtype, m, k):
+    x = _randn(m, k, seed=m + k, scale=3.0)
+    x[0, :7] = torch.tensor([1e4, -1e4, 0.3, -0.3, 1e-3, 448.0, -449.0])  # an outlier channel, saturation edge
+    if m > 1:
+        x[1] = 0.0  # an all-zero token: β = 1
+    if m > 2:
+        x[2] *= 1e-3
+    x = x.to(dtype)
+    x_hat, beta = wt.quantize_activation_fp8(x.to(DEVICE))
+    ref_hat, ref_beta = quantize_activation_fp8(x, compute_dtype=torch.float32)
+    assert x_hat.dtype == torch.float8_e4m3fn and beta.dtype == torch.bfloat16 and beta.shape == (m,)
+    assert torch.equal(x_hat.cpu().float(), ref_hat)
+    assert torch.equal(beta.cpu().float(), ref_beta[:, 0])
+
+
+def test_activation_quantization_rounds_scale_and_values_to_nearest_even():
+    # absmax/448 = 1 + 2^-8 is a bf16 tie (halfway between 1 and 1 + 2^-7): even → β = 1, which a truncating
+    # cast also gives; 1 + 3·2^-8 is a tie that rounds up to 1 + 2^-6 (truncation would give 1 + 2^-7).
+    x = torch.tensor([[448 * (1 + 2.0**-8), 1.0625, 1.1875], [448 * (1 + 3 * 2.0**-8), 0.0, 0.0]])
+    x_hat, beta = wt.quantize_activation_fp8(x.to(DEVICE))
+    assert beta.cpu().float().tolist() == [1.0, 1 + 2.0**-6]
+    # 1.0625 and 1.1875 are e4m3 ties (step 1/8 in [1, 2)): to even → 1.0 and 1.25; the outlier saturates to 448
+    assert x_hat[0].cpu().float().tolist() == [448.0, 1.0, 1.25]
+
+
+# --------------------------------------------------------------------------- GEMM
+
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+@pytest.mark.parametrize("pts,bias", [(True, True), (False, False)])
+def test_gemm_matches_reference(m, pts, bias):
+    _check_gemm(m, 67, 384, seed=m, dtype=torch.float32, pts=pts, bias=bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemm_output_dtypes(dtype):
+    _check_gemm(5, 67, 256, seed=3, dtype=dtype)
+
+
+@pytest.mark.parametrize("row", range(len(wt.GEMM_CONFIGS)))
+def test_gemm_every_configuration_of_the_table(row):
+    """Each tile configuration (split-K with its epilogue kernel, swapped operands) on a shape with tails in M and N."""
+    cfg = dict(wt.GEMM_CONFIGS[row][1], num_stages=1)
+    cfg["split_k"] = min(cfg["split_k"], 3)  # 5 groups in runs of 2, 2, 1: a short last run
+    _check_gemm(17, 67, 5 * GROUP_SIZE, seed=10 + row, dtype=torch.float32, config=cfg)
+
+
+def test_gemm_config_table():
+    assert wt.gemm_config(1, 4096, 4096)["block_m"] == 16 and wt.gemm_config(4096, 4096, 4096)["block_m"] == 128
+    assert wt.gemm_config(1, 4096, 256)["split_k"] == 1  # 2 groups: no split
+    assert wt.gemm_config(1, 4096, 14336)["split_k"] == wt.GEMM_CONFIGS[0][1]["split_k"]
+
+
+def test_gemm_rejects_bad_shapes():
+    x_hat = torch.zeros(2, 200, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        wt.w4a8_gemm(x_hat, torch.ones(2, dtype=torch.bfloat16), torch.zeros(4, 100, dtype=torch.uint8),
+                     torch.zeros(4, 2, dtype=torch.float8_e4m3fn), torch.tensor(0, dtype=torch.int32))
+
+
+def test_interpreter_fp8_dot_is_exact_on_e4m3_operands():
+    """What the CPU runs rests on: the interpreter's FP8 dot equals float64 on e4m3 × INT4 operands that fp32 holds."""
+    packed, (qw, sc, pe, _) = _layer(16, 128, seed=4, pts=False, bias=False)
+    x_hat = (_randn(16, 128, seed=5, scale=20.0).clamp(-448, 448)).to(torch.float8_e4m3fn).to(DEVICE)
+    ones = torch.ones(16, dtype=torch.bfloat16, device=DEVICE)
+    y = wt.w4a8_gemm(x_hat, ones, qw, sc, pe, None, torch.float32,
+                     config=dict(block_m=16, block_n=16, split_k=1, swap_ab=False, num_warps=4, num_stages=1))
+    q, sigma = unpack_weight(packed, torch.float64)
+    expect = (x_hat.cpu().double() @ q.T) * sigma[:, 0]
+    if CUDA:  # Hopper's FP8 accumulator is narrower (module docstring)
+        torch.testing.assert_close(y.cpu().double(), expect, rtol=2.0**-9, atol=0)
+    else:
+        assert torch.equal(y.double(), expect.float().double())  # |partial| < 2^24 in integer steps of 2^-9
+
+
+def test_custom_ops_have_consistent_fake_kernels():
+    packed, (qw, sc, pe, b) = _layer(67, 256, seed=6)
+    x = _randn(3, 256, seed=7).to(torch.bfloat16).to(DEVICE)
+    # opcheck's test_schema compares tensors by arithmetic that PyTorch lacks for float8; fake vs real it can check
+    utils = ("test_faketensor",)
+    torch.library.opcheck(wt.quantize_activation_op, (x,), test_utils=utils)
+    x_hat, beta = wt.quantize_activation_op(x)
+    torch.library.opcheck(wt.w4a8_gemm_op, (x_hat, beta, qw, sc, pe, b, torch.bfloat16), test_utils=utils)
+    torch.library.opcheck(wt.w4a8_gemm_op, (x_hat, beta, qw, sc, pe, None, torch.float16), test_utils=utils)
+
+
+# --------------------------------------------------------------------------- W4A8Linear dispatch
+
+
+@pytest.fixture
+def kernels_on_this_device(monkeypatch):
+    """Let the Triton path take CPU tensors (it runs in the interpreter) so the dispatch is testable here."""
+    if not CUDA:
+        monkeypatch.setattr(wt, "device_unsupported", lambda x: None)
+    reset_fallback_warnings()
+    yield
+    reset_fallback_warnings()
+
+
+def _module(k, n, *, seed, **kw):
+    lin = torch.nn.Linear(k, n)
+    with torch.no_grad():
+        lin.weight.copy_(_randn(n, k, seed=seed, scale=0.02))
+        lin.bias.copy_(_randn(n, seed=seed + 1))
+    return W4A8Linear.from_linear(lin, **kw).to(DEVICE)
+
+
+def test_module_takes_the_kernel_for_multiples_of_128(kernels_on_this_device, recwarn):
+    mod = _module(256, 67, seed=8)
+    x = _randn(2, 3, 256, seed=9).to(torch.bfloat16).to(DEVICE)
+    site = SiteRecord("layer", "linear", "w4a8")
+    with running_site(site):
+        y = mod(x)
+    assert site.implementations == {"triton"} and not site.fallbacks
+    assert y.shape == (2, 3, 67) and y.dtype == torch.bfloat16
+    expect = wt.w4a8_linear(x, mod.qweight, mod.scales, mod.pts_exp, mod.bias)
+    assert torch.equal(y, expect)
+    assert not [w for w in recwarn if issubclass(w.category, QuantpatchFallbackWarning)]
+
+
+@pytest.mark.parametrize("k,kw,reason", [(200, {}, "not a multiple of 128"),
+                                         (256, dict(weight_operand="lut"), "weight_operand")])
+def test_module_falls_back_to_reference_with_one_warning(kernels_on_this_device, k, kw, reason):
+    mod = _module(k, 24, seed=11, **kw)
+    x = _randn(3, k, seed=12).float().to(DEVICE)
+    site = SiteRecord("layer", "linear", "w4a8")
+    with pytest.warns(QuantpatchFallbackWarning, match=reason) as caught, running_site(site):
+        y1 = mod(x)
+        y2 = mod(x)
+    assert len([w for w in caught if issubclass(w.category, QuantpatchFallbackWarning)]) == 1
+    assert site.implementations == set() and len(site.fallbacks) == 1
+    ref = w4a8_linear_ref(x.cpu(), mod.packed(), mod.bias.cpu(), operand=mod.weight_operand,
+                          compute_dtype=torch.float32)
+    assert torch.equal(y1.cpu(), ref) and torch.equal(y2, y1)
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU-only path")
+def test_module_on_cpu_uses_the_reference_silently(recwarn):
+    reset_fallback_warnings()
+    mod = _module(256, 24, seed=13)
+    x = _randn(3, 256, seed=14).float()
+    assert torch.equal(mod(x), w4a8_linear_ref(x, mod.packed(), mod.bias, compute_dtype=torch.float32))
+    assert not [w for w in recwarn if issubclass(w.category, QuantpatchFallbackWarning)]
+
+
+# --------------------------------------------------------------------------- GPU: Llama-sized shapes
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 16, 100, 300])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 14336)])
+def test_gpu_gemm_llama_shapes(m, n, k):
+    _check_gemm(m, n, k, seed=m + n, dtype=torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("k", [4096, 14336])
+def test_gpu_activation_quantization_bit_exact(k):
+    x = (_randn(64, k, seed=k, scale=2.0) * _randn(1, k, seed=1).exp()).to(torch.bfloat16)
+    x_hat, beta = wt.quantize_activation_fp8(x.cuda())
+    ref_hat, ref_beta = quantize_activation_fp8(x, compute_dtype=torch.float32)
+    assert torch.equal(x_hat.cpu().float(), ref_hat) and torch.equal(beta.cpu().float(), ref_beta[:, 0])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 16, 2048])
+def test_gpu_gemm_is_deterministic(m):
+    """Split-K runs are summed in a fixed order (no atomics): bitwise equal results run to run."""
+    _, (qw, sc, pe, b) = _layer(4096, 4096, seed=20)
+    x = _randn(m, 4096, seed=21).to(torch.bfloat16).cuda()
+    first = wt.w4a8_linear(x, qw, sc, pe, b)
+    for _ in range(3):
+        assert torch.equal(wt.w4a8_linear(x, qw, sc, pe, b), first)
