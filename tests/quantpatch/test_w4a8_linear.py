@@ -206,3 +206,22 @@ def test_bad_arguments_raise():
         w4a8_linear_ref(torch.ones(1, 64), quantize_weight(torch.ones(4, 128)))
     with pytest.raises(ValueError, match="2-D"):
         quantize_weight_int4(torch.ones(4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+def test_gpu_module_runs_the_triton_kernels():
+    from quantpatch.fallback import SiteRecord, running_site
+
+    lin = torch.nn.Linear(4096, 1024, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(_randn(1024, 4096, seed=15, scale=0.02))
+    mod = W4A8Linear.from_linear(lin).cuda()
+    x = _randn(3, 5, 4096, seed=16).to(torch.bfloat16)
+    site = SiteRecord("layer", "linear", "w4a8")
+    with running_site(site):
+        y = mod(x.cuda())
+    assert site.implementations == {"triton"} and y.dtype == torch.bfloat16 and y.shape == (3, 5, 1024)
+    ref = w4a8_linear_ref(x, mod.packed(), mod.bias.cpu(), compute_dtype=torch.float32)
+    # the same numerics up to summation order and bf16 output rounding (bounds: tests/kernels/test_w4a8_triton.py)
+    assert cos_sim(y.cpu().float(), ref.float()) > 0.9999

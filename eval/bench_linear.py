@@ -1,0 +1,325 @@
+"""Linear-layer speed and accuracy: FireQ W4A8 (INT4 weights × FP8 activations) next to bf16 and FP8 GEMMs, one run.
+
+Llama-3-8B projection shapes (K → N: 4096 → 4096, 4096 → 14336, 14336 → 4096) at M ∈ {1, 16, 128,
+1024, 4096} tokens, bf16 activations, no bias:
+
+* ``w4a8 e2e``: ``W4A8Linear(x)`` from bf16, i.e. the activation-quantization kernel then the
+  GEMM (the module's CUDA path; on the CPU, the PyTorch reference);
+* ``w4a8 gemm``: ``quantpatch::w4a8_gemm`` on pre-quantized activations; ``w4a8 quant``: the
+  activation quantization alone;
+* ``bf16``: ``torch.nn.functional.linear``;
+* ``fp8-tensor`` / ``fp8-rowwise``: ``torch._scaled_mm`` on pre-quantized FP8 e4m3 operands with
+  per-tensor scales / per-token × per-channel fp32 scales (GEMM only: the quantization of x is
+  not counted, which favours them against ``w4a8 e2e``).
+
+Times are medians of ``triton.testing.do_bench`` (the shared harness of ``bench_attention``,
+which flushes L2 between calls, so weights come from HBM as in a model's forward pass), cycling
+over several input sets; TFLOPS = 2·M·N·K / t. Ratios are the baselines' times over each row's
+time in the same run (> 1: faster than the baseline). Accuracy: relative L1 against the bf16
+``F.linear`` output on the same inputs (M = ``--acc-m`` tokens of N(0, 1), weights N(0, 0.02²)).
+``--tune`` times the GEMM's tile configurations instead (``tune.csv``). ``--device cpu`` (with
+``--quick``) is a smoke run of the whole pipeline with a wall-clock timer.
+
+Writes ``speed.csv``, ``accuracy.csv``, ``bench.json`` (GPU, versions, commit, config, rows),
+``summary.md`` and ``bench.png`` under ``--out``.
+
+Usage::
+
+    QP_GIT_SHA=$(git rev-parse HEAD) python eval/bench_linear.py --out eval/results/bench_linear/h200
+    python eval/bench_linear.py --tune --out /tmp/tune
+    python eval/bench_linear.py --quick --device cpu --out /tmp/bench_linear
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import bench, write_csv  # noqa: E402  (the shared harness, beside this script)
+
+from quantpatch.environment import environment_info  # noqa: E402
+from quantpatch.metrics import rel_l1  # noqa: E402
+from quantpatch.w4a8_linear import W4A8Linear  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO_ROOT / "eval" / "results" / "bench_linear"
+LLAMA_8B_SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))  # (K, N): q/o_proj, gate/up_proj, down_proj
+TOKENS = (1, 16, 128, 1024, 4096)
+QUICK_CPU_SHAPES, QUICK_CPU_TOKENS = ((256, 384),), (1, 16)
+BASELINES = ("bf16", "fp8-tensor", "fp8-rowwise")
+L2_ROTATE_BYTES = 256 * 2**20
+logger = logging.getLogger("quantpatch").getChild("eval.bench_linear")
+
+
+def cpu_time(fn: Callable[[int], object], n_sets: int, warmup: int, rep: int) -> float:
+    """Median milliseconds of ``fn(i)`` by wall clock (the CPU smoke run; ``warmup``/``rep`` are call counts)."""
+    for i in range(warmup):
+        fn(i % n_sets)
+    times = []
+    for i in range(rep):
+        t0 = time.perf_counter()
+        fn(i % n_sets)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+class Layer:
+    """One (K, N) projection in every format: bf16 weight, W4A8 module, FP8 weight with both scale kinds."""
+
+    def __init__(self, k: int, n: int, device: torch.device, seed: int):
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.weight = (torch.randn(n, k, generator=gen) * 0.02).to(device=device, dtype=torch.bfloat16)
+        lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(self.weight)
+        self.w4a8 = W4A8Linear.from_linear(lin)
+        w = self.weight.float()
+        self.w_scale_tensor = w.abs().amax() / 448
+        self.w_fp8_tensor = (w / self.w_scale_tensor).to(torch.float8_e4m3fn)
+        self.w_scale_row = w.abs().amax(1, keepdim=True) / 448  # (N, 1)
+        self.w_fp8_row = (w / self.w_scale_row).to(torch.float8_e4m3fn)
+        self.w_scale_row = self.w_scale_row.T.contiguous()  # (1, N) for _scaled_mm
+
+    def fp8_operands(self, x: torch.Tensor) -> dict:
+        """Per-tensor and per-token FP8 activations for ``_scaled_mm`` (fp32 scales)."""
+        xf = x.float()
+        st = xf.abs().amax() / 448
+        sr = xf.abs().amax(1, keepdim=True) / 448
+        return dict(tensor=((xf / st).to(torch.float8_e4m3fn), st), rowwise=((xf / sr).to(torch.float8_e4m3fn), sr))
+
+    def scaled_mm(self, kind: str, x_fp8: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        if kind == "tensor":
+            w, s = self.w_fp8_tensor, self.w_scale_tensor
+        else:
+            w, s = self.w_fp8_row, self.w_scale_row
+        return torch._scaled_mm(x_fp8, w.T, x_scale, s, out_dtype=torch.bfloat16)
+
+    def w4a8_args(self) -> tuple:
+        m = self.w4a8
+        return m.qweight, m.scales, m.pts_exp, m.bias
+
+
+def _inputs(m: int, k: int, n_sets: int, device: torch.device, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16) for _ in range(n_sets)]
+
+
+def _timer(device: torch.device) -> Callable:
+    return bench if device.type == "cuda" else cpu_time
+
+
+def speed_rows(args) -> list[dict]:
+    rows = []
+    time_fn = _timer(args.device)
+    kernels = args.device.type == "cuda"
+    if kernels:
+        from quantpatch.kernels import w4a8_triton as wt
+    for (k, n), m in itertools.product(args.shapes, args.tokens):
+        layer = Layer(k, n, args.device, seed=k + n)
+        n_sets = max(1, min(4, L2_ROTATE_BYTES // (m * k * 2 + n * k * 2)))
+        xs = _inputs(m, k, n_sets, args.device, seed=m)
+        fl = 2.0 * m * n * k
+        shape_rows = []
+
+        def add(impl, ms):
+            shape_rows.append(dict(k=k, n=n, m=m, impl=impl, ms=ms, tflops=fl / (ms * 1e-3) / 1e12))
+
+        def timed(impl, fn):
+            try:
+                fn(0)
+                add(impl, time_fn(fn, n_sets, args.warmup, args.rep))
+            except RuntimeError as err:  # a baseline that cannot take the shape
+                logger.warning("%s failed at M=%d K=%d N=%d: %s", impl, m, k, n, err)
+
+        timed("bf16", lambda i: torch.nn.functional.linear(xs[i], layer.weight))
+        fp8 = [layer.fp8_operands(x) for x in xs]
+        for kind in ("tensor", "rowwise"):
+            timed(f"fp8-{kind}", lambda i, kind=kind: layer.scaled_mm(kind, *fp8[i][kind]))
+        fp8 = None
+        timed("w4a8 e2e", lambda i: layer.w4a8(xs[i]))
+        if kernels:
+            quant = [wt.quantize_activation_op(x) for x in xs]
+            args_w = layer.w4a8_args()
+            timed("w4a8 gemm", lambda i: wt.w4a8_gemm_op(*quant[i], *args_w, torch.bfloat16))
+            timed("w4a8 quant", lambda i: wt.quantize_activation_op(xs[i]))
+        base = {r["impl"]: r["ms"] for r in shape_rows if r["impl"] in BASELINES}
+        for r in shape_rows:
+            for b in BASELINES:
+                r[f"vs_{b}"] = base[b] / r["ms"] if b in base and r["impl"] != "w4a8 quant" else ""
+            print(f"K={k:5d} N={n:5d} M={m:4d} {r['impl']:>11s} {r['ms']:8.4f} ms {r['tflops']:7.1f} TFLOPS  "
+                  + "  ".join(f"x{r[f'vs_{b}'] or 0:5.2f} {b}" for b in BASELINES), flush=True)
+        rows += shape_rows
+        layer = xs = quant = None
+        if kernels:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def accuracy_rows(args) -> list[dict]:
+    rows = []
+    for k, n in args.shapes:
+        layer = Layer(k, n, args.device, seed=k + n)
+        x = _inputs(args.acc_m, k, 1, args.device, seed=7)[0]
+        ref = torch.nn.functional.linear(x, layer.weight)
+        fp8 = layer.fp8_operands(x)
+        outs = {"w4a8 e2e": layer.w4a8(x)}
+        for kind in ("tensor", "rowwise"):
+            try:
+                outs[f"fp8-{kind}"] = layer.scaled_mm(kind, *fp8[kind])
+            except RuntimeError as err:
+                logger.warning("fp8-%s failed at M=%d K=%d N=%d: %s", kind, args.acc_m, k, n, err)
+        for impl, y in outs.items():
+            rows.append(dict(k=k, n=n, m=args.acc_m, impl=impl, rel_l1_vs_bf16=rel_l1(y, ref),
+                             weight_bytes=layer.w4a8.weight_nbytes() if impl.startswith("w4a8") else n * k,
+                             bf16_weight_bytes=2 * n * k))
+            print(f"accuracy K={k} N={n} M={args.acc_m} {impl:>11s} rel-L1 vs bf16 {rows[-1]['rel_l1_vs_bf16']:.5f} "
+                  f"weight x{rows[-1]['bf16_weight_bytes'] / rows[-1]['weight_bytes']:.2f} smaller than bf16")
+    return rows
+
+
+def tune_candidates() -> list[dict]:
+    """Tile configurations timed by ``--tune``: decode-sized (BLOCK_M = 16, split-K, swapped operands) and larger."""
+    cands = []
+    for bn, split in itertools.product((32, 64, 128), (1, 2, 4, 8)):
+        for swap in (False, True) if bn >= 64 else (False,):
+            cands.append(dict(block_m=16, block_n=bn, split_k=split, swap_ab=swap, num_warps=4, num_stages=4))
+    for bm, bn, warps in ((64, 64, 4), (64, 128, 4), (64, 256, 8), (128, 64, 4), (128, 128, 4), (128, 128, 8),
+                          (128, 256, 8)):
+        for stages in (3, 4):
+            cands.append(dict(block_m=bm, block_n=bn, split_k=1, swap_ab=False, num_warps=warps, num_stages=stages))
+    return cands
+
+
+def tune_rows(args) -> list[dict]:
+    from quantpatch.kernels import w4a8_triton as wt
+
+    rows = []
+    for (k, n), m in itertools.product(args.shapes, args.tokens):
+        layer = Layer(k, n, args.device, seed=k + n)
+        x = _inputs(m, k, 1, args.device, seed=m)[0]
+        x_hat, beta = wt.quantize_activation_op(x)
+        bf16_ms = bench(lambda i: torch.nn.functional.linear(x, layer.weight), 1, args.warmup, args.rep)
+        best = None
+        for cfg in tune_candidates():
+            if (m > 64 and cfg["block_m"] == 16) or (m <= 16 and cfg["block_m"] > 64):
+                continue
+            try:
+                ms = bench(lambda i, c=cfg: wt.w4a8_gemm(x_hat, beta, *layer.w4a8_args(), torch.bfloat16, config=c),
+                           1, args.warmup, args.rep)
+            except Exception as err:  # a configuration the compiler rejects (resources, ...)
+                print(f"tune K={k} N={n} M={m} {cfg}: failed: {type(err).__name__}: {str(err)[:160]}")
+                continue
+            rows.append(dict(k=k, n=n, m=m, **cfg, ms=ms, vs_bf16=bf16_ms / ms))
+            if best is None or ms < best["ms"]:
+                best = rows[-1]
+        print(f"tune K={k} N={n} M={m} bf16 {bf16_ms:.4f} ms; best {best}", flush=True)
+        layer = None
+        torch.cuda.empty_cache()
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({(r["k"], r["n"]) for r in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    for ax, (k, n) in zip(axes[0], shapes):
+        sel = [r for r in rows if (r["k"], r["n"]) == (k, n) and r["impl"] != "w4a8 quant"]
+        for impl in sorted({r["impl"] for r in sel}):
+            pts = sorted((r["m"], r["tflops"]) for r in sel if r["impl"] == impl)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if impl in BASELINES else "-", marker="o", ms=3,
+                    label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens M")
+        ax.set_ylabel("TFLOPS")
+        ax.set_title(f"{k} → {n}")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summary_md(meta: dict, speed: list[dict], acc: list[dict]) -> str:
+    lines = [f"# Linear benchmark ({meta['device']})", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, commit {meta['git_sha']}, "
+             f"{meta['date']}", "", f"Command: `{meta['command']}`", ""]
+    if speed:
+        lines += ["| K | N | M | impl | ms | TFLOPS | × bf16 | × fp8-tensor | × fp8-rowwise |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in speed:
+            ratios = " | ".join(f"{r[f'vs_{b}']:.2f}" if r[f"vs_{b}"] != "" else "" for b in BASELINES)
+            lines.append(f"| {r['k']} | {r['n']} | {r['m']} | {r['impl']} | {r['ms']:.4f} | {r['tflops']:.1f} | "
+                         f"{ratios} |")
+    if acc:
+        lines += ["", "| K | N | M | impl | rel-L1 vs bf16 | weight bytes × smaller than bf16 |",
+                  "|---|---|---|---|---|---|"]
+        for r in acc:
+            lines.append(f"| {r['k']} | {r['n']} | {r['m']} | {r['impl']} | {r['rel_l1_vs_bf16']:.5f} | "
+                         f"{r['bf16_weight_bytes'] / r['weight_bytes']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--shapes", nargs="+", default=[f"{k}x{n}" for k, n in LLAMA_8B_SHAPES],
+                   help="K x N, e.g. 4096x14336")
+    p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms; calls on the CPU)")
+    p.add_argument("--rep", type=int, default=100, help="do_bench measurement time (ms; calls on the CPU)")
+    p.add_argument("--acc-m", type=int, default=128, help="tokens of the accuracy measurement")
+    p.add_argument("--no-accuracy", action="store_true")
+    p.add_argument("--quick", action="store_true", help="CPU: one 256x384 shape at M in {1, 16}, 3 calls")
+    p.add_argument("--tune", action="store_true", help="time GEMM tile configurations instead (GEMM only)")
+    args = p.parse_args(argv)
+    args.device = torch.device(args.device)
+    args.shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+    if args.quick and args.device.type == "cpu":
+        args.shapes, args.tokens, args.warmup, args.rep, args.acc_m = QUICK_CPU_SHAPES, QUICK_CPU_TOKENS, 1, 3, 16
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_linear --device cuda needs a CUDA GPU (use --quick --device cpu for a smoke run)")
+    if args.tune and args.device.type != "cuda":
+        raise SystemExit("--tune times the Triton GEMM and needs a CUDA GPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = environment_info(args.device, REPO_ROOT)
+    meta["config"] = {k: (str(v) if isinstance(v, (Path, torch.device)) else v) for k, v in vars(args).items()}
+    print(json.dumps({k: v for k, v in meta.items() if k != "config"}), flush=True)
+    if args.tune:
+        rows = tune_rows(args)
+        write_csv(args.out / "tune.csv", rows)
+        (args.out / "tune.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        return dict(meta=meta, tune=rows)
+    speed = speed_rows(args)
+    acc = [] if args.no_accuracy else accuracy_rows(args)
+    write_csv(args.out / "speed.csv", speed)
+    write_csv(args.out / "accuracy.csv", acc)
+    result = dict(meta=meta, speed=speed, accuracy=acc)
+    (args.out / "bench.json").write_text(json.dumps(result, indent=1))
+    (args.out / "summary.md").write_text(summary_md(meta, speed, acc))
+    plot(speed, args.out / "bench.png")
+    return result
+
+
+if __name__ == "__main__":
+    main()
