@@ -4,11 +4,16 @@ One Llama-3-8B-shaped attention layer (32 query heads, 8 KV heads, D = 128) deco
 (q_len = 1) against a cache of ``N`` tokens, for batch ``B`` ∈ {1, 8, 32} × ``N`` ∈ {4k, 16k, 32k, 64k}:
 
 * ``sdpa-bf16``: ``F.scaled_dot_product_attention(q, K, V, enable_gqa=True)`` on bf16 ``(B, 8, N, 128)``
-  K/V (the cache Transformers keeps), the baseline, timed in the same run;
+  K/V (the cache Transformers keeps), PyTorch's own backend choice: the baseline, timed in the same run;
+  ``sdpa-flash`` / ``sdpa-cudnn``: the same forced to one backend (skipped where it declines the call);
 * ``turbo-ref``: ``turbo_cache_attention`` on a ``TurboLayer`` (the PyTorch reference: it dequantizes
   the cache to the INT8 grid in float32, so it is slow and large; rows it cannot hold are skipped);
-* ``turbo-triton``: the Triton decode kernel (packed INT4/INT2 → INT8 in registers, INT8 dots, SAS,
-  split over the sequence) once ``quantpatch.kernels.turbo_decode_triton`` exists; skipped until then.
+* ``turbo-triton``: the Triton decode kernel ``kernels/turbo_decode_triton.py`` (packed INT4/INT2 →
+  INT8 in registers, INT8 dots, SAS, split over the sequence, then a combine launch).
+
+``speedup_vs_sdpa`` divides the ``sdpa-bf16`` time by each row's, ``speedup_vs_best_sdpa`` the fastest
+SDPA backend's. ``--sweep`` first times the kernel's launch options (warps, pipeline stages, splits)
+at one ``B × N`` and writes ``sweep.csv``.
 
 The compressed cache is synthesized in its stored layout (random codes, ``s^int`` ∈ [1, 16],
 ``z^int``, block scales), since latency does not depend on the values; ``--check`` compresses real
@@ -34,6 +39,7 @@ import csv
 import json
 import logging
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -47,7 +53,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "eval" / "results" / "bench_decode"
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 8, 128, 32  # Llama-3-8B
 WEIGHT_BYTES_8B = 8.03e9 * 2  # bf16 weights of Llama-3-8B
-IMPLS = ("sdpa-bf16", "turbo-ref", "turbo-triton")
+IMPLS = ("sdpa-bf16", "sdpa-flash", "sdpa-cudnn", "turbo-ref", "turbo-triton")
+SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
 logger = logging.getLogger("quantpatch").getChild("eval.bench_decode")
 
 
@@ -119,8 +126,8 @@ def check_layout(device: str) -> None:
 
 def _triton_decode() -> Callable | None:
     try:
-        from quantpatch.kernels.turbo_decode_triton import turbo_decode_attention  # noqa: F401 (issue 5, step 3)
-    except ImportError:
+        from quantpatch.kernels.turbo_decode_triton import turbo_decode_attention
+    except ImportError:  # no Triton
         return None
     return turbo_decode_attention
 
@@ -131,24 +138,46 @@ def ref_fits(b: int, n: int, device: str, budget_gib: float) -> bool:
     return need <= budget_gib * 2**30
 
 
-def make_runner(impl: str, b: int, n: int, bits: Sequence[int], device: str, n_sets: int):
-    """``(fn(i), cleanup)`` timing one decode step of ``impl``, or ``(None, reason)``."""
+def make_runner(impl: str, b: int, n: int, bits: Sequence[int], device: str, n_sets: int, **launch):
+    """``(fn(i), None)`` timing one decode step of ``impl``, or ``(None, reason)``; ``launch``: kernel options."""
     gen = torch.Generator(device=device).manual_seed(0)
     qs = [torch.randn(b, HEADS, 1, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16) for _ in range(n_sets)]
-    if impl == "sdpa-bf16":
+    if impl.startswith("sdpa"):
         k = torch.randn(b, KV_HEADS, n, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
         v = torch.randn(b, KV_HEADS, n, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        return (lambda i: sdpa(qs[i], k, v, enable_gqa=True)), None
+        return sdpa_runner(impl, qs, k, v)
     layer = synthetic_turbo_layer(b, n, bits, device=device)
     if impl == "turbo-ref":
         from quantpatch.patches.transformers.turbo_cache import turbo_cache_attention
 
-        return (lambda i: turbo_cache_attention(qs[i], layer)), None
+        return (lambda i: turbo_cache_attention(qs[i], layer, use_kernel=False)), None
     kernel = _triton_decode()
     if kernel is None:
-        return None, "Triton decode kernel not implemented yet"
-    return (lambda i: kernel(qs[i], layer)), None
+        return None, "Triton is not installed"
+    if not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        return None, "the Triton kernel needs CUDA (or TRITON_INTERPRET=1 on CPU)"
+    parts = (layer.k_blocks, layer.v_blocks, layer.k_buffer, layer.v_buffer)
+    return (lambda i: kernel(qs[i], *parts, **launch)), None
+
+
+def sdpa_runner(impl: str, qs: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor):
+    """``(fn(i), None)`` for SDPA with PyTorch's backend choice or one forced backend; ``(None, reason)``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if impl == "sdpa-bf16":
+        return (lambda i: sdpa(qs[i], k, v, enable_gqa=True)), None
+    backend = getattr(SDPBackend, SDPA_BACKENDS[impl])
+
+    def fn(i: int):
+        with sdpa_kernel(backend):
+            return sdpa(qs[i], k, v, enable_gqa=True)
+
+    try:
+        fn(0)
+    except RuntimeError as err:  # the backend declines this call (GQA, device, build)
+        return None, f"{SDPA_BACKENDS[impl]} declined: {str(err).splitlines()[0][:80]}"
+    return fn, None
 
 
 def bench_ms(fn: Callable[[int], object], device: str, n_sets: int, warmup: int, rep: int) -> float:
@@ -212,10 +241,11 @@ def speed_rows(args: argparse.Namespace) -> list[dict]:
         for n in args.contexts:
             base_ms = None
             for impl in args.impls:
-                variants = [("bf16", ())] if impl == "sdpa-bf16" else list(settings.items())
+                sdpa = impl.startswith("sdpa")
+                variants = [("bf16", ())] if sdpa else list(settings.items())
                 for cache, bits in variants:
                     row = {"impl": impl, "cache": cache, "batch": b, "context": n,
-                           "kv_bytes": bf16_bytes(b, n) if impl == "sdpa-bf16" else turbo_bytes(b, n, bits)}
+                           "kv_bytes": bf16_bytes(b, n) if sdpa else turbo_bytes(b, n, bits)}
                     if impl == "turbo-ref" and not ref_fits(b, n, args.device, args.ref_budget_gib):
                         rows.append(row | {"ms": math.nan, "skipped": "reference temporaries exceed --ref-budget-gib"})
                         continue
@@ -229,10 +259,35 @@ def speed_rows(args: argparse.Namespace) -> list[dict]:
                     del fn
                     if args.device.startswith("cuda"):
                         torch.cuda.empty_cache()
-            for r in rows:
-                if r["batch"] == b and r["context"] == n:
-                    r["speedup_vs_sdpa"] = base_ms / r["ms"] if base_ms and r["ms"] == r["ms"] else math.nan
+            here = [r for r in rows if r["batch"] == b and r["context"] == n]
+            best_ms = min((r["ms"] for r in here if r["impl"].startswith("sdpa") and r["ms"] == r["ms"]),
+                          default=None)
+            for r in here:
+                ok = r["ms"] == r["ms"]
+                r["speedup_vs_sdpa"] = base_ms / r["ms"] if base_ms and ok else math.nan
+                r["speedup_vs_best_sdpa"] = best_ms / r["ms"] if best_ms and ok else math.nan
             logger.info("B=%d N=%d done", b, n)
+    return rows
+
+
+def sweep_rows(args: argparse.Namespace) -> list[dict]:
+    """Kernel launch options at ``B × N = --sweep-shape``, 4-bit: every (warps, stages, splits) of the grids."""
+    from quantpatch.kernels.turbo_decode_triton import default_num_splits
+
+    b, n = args.sweep_shape
+    bits = (args.bits,) * KV_HEADS
+    default = default_num_splits(b, KV_HEADS, n // 64, torch.device(args.device))
+    rows = []
+    for warps in (2, 4, 8):
+        for stages in (1, 2, 3):
+            for splits in sorted({default // 2, default, default * 2, default * 4} - {0}):
+                fn, _ = make_runner("turbo-triton", b, n, bits, args.device, args.n_sets, num_warps=warps,
+                                    num_stages=stages, num_splits=splits)
+                ms = bench_ms(fn, args.device, args.n_sets, args.warmup, args.rep)
+                rows.append({"batch": b, "context": n, "num_warps": warps, "num_stages": stages,
+                             "num_splits": splits, "default_splits": default, "ms": ms,
+                             "gb_per_s": turbo_bytes(b, n, bits) / ms / 1e6})
+                logger.info("sweep %s", rows[-1])
     return rows
 
 
@@ -289,10 +344,11 @@ def plot(speed: list[dict], memory: list[dict], path: Path) -> None:
 
 
 def format_tables(speed: list[dict], memory: list[dict]) -> str:
-    lines = [f"{'impl':<13} {'cache':<12} {'B':>3} {'N':>6} {'ms':>10} {'x sdpa':>7} {'KV MiB':>9}  note"]
+    lines = [f"{'impl':<13} {'cache':<12} {'B':>3} {'N':>6} {'ms':>10} {'x sdpa':>7} {'x best':>7} {'KV MiB':>9}  note"]
     for r in speed:
         lines.append(f"{r['impl']:<13} {r['cache']:<12} {r['batch']:>3} {r['context']:>6} {r['ms']:>10.4f} "
-                     f"{r.get('speedup_vs_sdpa', math.nan):>7.2f} {r['kv_bytes'] / 2**20:>9.2f}  {r['skipped']}")
+                     f"{r.get('speedup_vs_sdpa', math.nan):>7.2f} {r.get('speedup_vs_best_sdpa', math.nan):>7.2f} "
+                     f"{r['kv_bytes'] / 2**20:>9.2f}  {r['skipped']}")
     lines += ["", f"{'cache':<12} {'N':>6} {'GiB/seq (32 layers)':>20} {'x smaller':>9} {'max batch':>9}"]
     for r in memory:
         lines.append(f"{r['cache']:<12} {r['context']:>6} {r['model_gib_per_seq']:>20.3f} {r['ratio_vs_bf16']:>9.2f} "
@@ -316,6 +372,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rep", type=int, default=100, help="timing budget in ms per row")
     p.add_argument("--quick", action="store_true", help="B=1, N in {1k, 2k}: a smoke run")
     p.add_argument("--check", action="store_true", help="compare the synthetic layout with real compression first")
+    p.add_argument("--sweep", action="store_true", help="time the Triton kernel's launch options first")
+    p.add_argument("--sweep-shape", type=int, nargs=2, default=[8, 32768], metavar=("B", "N"))
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     if args.quick:
@@ -332,7 +390,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.check:
         check_layout(args.device)
+    args.out.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
+        if args.sweep:
+            sweep = sweep_rows(args)
+            write_csv(args.out / "sweep.csv", sweep)
+            print("\n".join(f"warps {r['num_warps']} stages {r['num_stages']} splits {r['num_splits']:>4}: "
+                            f"{r['ms']:.4f} ms {r['gb_per_s']:.0f} GB/s" for r in sweep))
         speed = speed_rows(args)
     memory = memory_rows(args)
     meta = machine_info(args.device)
@@ -341,7 +405,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
     report = {"machine": meta, "config": config, "speed": speed, "memory": memory}
     table = format_tables(speed, memory)
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "decode.csv", speed)
     write_csv(args.out / "memory.csv", memory)
     (args.out / "bench.json").write_text(json.dumps(report, indent=2, default=str))

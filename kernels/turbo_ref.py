@@ -36,7 +36,7 @@ float32 (``compute_dtype``) with round-half-to-even, like every other reference 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -259,6 +259,7 @@ def turbo_compress_kv_ref(
     qmax: int = TURBO_QMAX,
     buffer_scale: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    compress_blocks: Callable[..., CompressedKV] | None = None,
 ) -> tuple[CompressedKV, Int8Buffer]:
     """Compress a prefill K or V ``(B, Hkv, N, D)`` (TurboAttention Algorithm 1, eq. 9-10).
 
@@ -268,15 +269,22 @@ def turbo_compress_kv_ref(
     ``buffer_scale`` (default: ``absmax`` of the head's whole prompt ``/ qmax``, so that later
     decode tokens of the same magnitude are rarely clamped).
 
+    ``compress_blocks(x_full, bits, block=, qmax=)`` replaces both steps on the full blocks
+    ``x_full (B, Hkv, T·block, D)`` (in ``x``'s dtype), e.g. the Triton kernel
+    ``turbo_compress_triton.turbo_compress_blocks``; the default is this reference.
+
     Returns:
         ``(CompressedKV, Int8Buffer)``.
     """
     if x.shape[-2] == 0 and buffer_scale is None:
         raise ValueError("an empty prompt needs an explicit buffer_scale (the universal INT8 scale)")
-    x = x.to(compute_dtype)
     n_full = (x.shape[-2] // block) * block
-    q1, token_scale = quantize_tokens(x[..., :n_full, :], "block", role="k", qmax=qmax, block=block)
-    compressed = compress_int8_blocks(q1, token_scale[..., ::block, 0], bits, block=block)
+    if compress_blocks is not None:
+        compressed = compress_blocks(x[..., :n_full, :], bits, block=block, qmax=qmax)
+    x = x.to(compute_dtype)
+    if compress_blocks is None:
+        q1, token_scale = quantize_tokens(x[..., :n_full, :], "block", role="k", qmax=qmax, block=block)
+        compressed = compress_int8_blocks(q1, token_scale[..., ::block, 0], bits, block=block)
     if buffer_scale is None:
         buffer_scale = symmetric_scale(x.abs().amax(dim=(-2, -1), keepdim=True), qmax)
     buffer_scale = buffer_scale.to(compute_dtype).expand(*x.shape[:2], 1, 1)
@@ -298,14 +306,19 @@ def _cat_blocks(a: CompressedKV, b: CompressedKV) -> CompressedKV:
 
 
 def turbo_append_ref(
-    compressed: CompressedKV, buffer: Int8Buffer, x_new: torch.Tensor
+    compressed: CompressedKV,
+    buffer: Int8Buffer,
+    x_new: torch.Tensor,
+    *,
+    compress_int8: Callable[..., CompressedKV] = compress_int8_blocks,
 ) -> tuple[CompressedKV, Int8Buffer]:
     """Append decode tokens ``x_new (B, Hkv, n, D)`` to the cache (TurboAttention §3.3).
 
     New tokens are quantized with the buffer's universal scale and clamped to ``±qmax``
     (``round(x / s)``, never re-scaling what is already buffered); every time the buffer
-    holds ``block`` tokens, that block is compressed by :func:`compress_int8_blocks` with
-    block scale = the universal scale.
+    holds ``block`` tokens, that block is compressed by ``compress_int8`` (default
+    :func:`compress_int8_blocks`; same signature, e.g. the Triton kernel) with block scale = the
+    universal scale.
 
     Returns:
         the updated ``(CompressedKV, Int8Buffer)`` (inputs are not modified).
@@ -317,7 +330,7 @@ def turbo_append_ref(
     n_full = (values.shape[-2] // block) * block
     if n_full:
         b, h = values.shape[:2]
-        fresh = compress_int8_blocks(
+        fresh = compress_int8(
             values[..., :n_full, :], scale[..., 0].expand(b, h, n_full // block), compressed.bits, block=block
         )
         compressed = _cat_blocks(compressed, fresh)

@@ -52,7 +52,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from quantpatch.calibration_turbo import HeadPrecision, attention_modules, head_precision_of, kv_config_of
 from quantpatch.config import AttentionConfig, KVCacheConfig, ModeConfig
-from quantpatch.fallback import UnsupportedError
+from quantpatch.fallback import UnsupportedError, fall_back
 from quantpatch.kernels.quant_attention_ref import quant_attention_ref
 from quantpatch.kernels.quant_ref import symmetric_scale
 from quantpatch.kernels.turbo_ref import (
@@ -254,8 +254,10 @@ class TurboLayer(CacheLayerMixin):
             return key_states, value_states
         for x, buf in ((key_states, self.k_buffer), (value_states, self.v_buffer)):
             self._clamped = self._clamped + (torch.round(x.to(buf.scale.dtype) / buf.scale).abs() > buf.qmax).sum()
-        self.k_blocks, self.k_buffer = turbo_append_ref(self.k_blocks, self.k_buffer, key_states)
-        self.v_blocks, self.v_buffer = turbo_append_ref(self.v_blocks, self.v_buffer, value_states)
+        k_kernel = _compress_kernel(key_states, self.k_bits, self.block, "int8")
+        v_kernel = _compress_kernel(value_states, self.v_bits, self.block, "int8")
+        self.k_blocks, self.k_buffer = turbo_append_ref(self.k_blocks, self.k_buffer, key_states, **k_kernel)
+        self.v_blocks, self.v_buffer = turbo_append_ref(self.v_blocks, self.v_buffer, value_states, **v_kernel)
         self.cumulative_length += key_states.shape[-2]
         if direct:
             shape = (self.batch, self.kv_heads, self.cumulative_length, self.head_dim)
@@ -273,7 +275,8 @@ class TurboLayer(CacheLayerMixin):
         if floor is not None:
             absmax = torch.maximum(absmax, floor.to(absmax.device).view(1, -1, 1, 1))
         return turbo_compress_kv_ref(x, bits, block=self.block, qmax=self.qmax,
-                                     buffer_scale=symmetric_scale(absmax, self.qmax))
+                                     buffer_scale=symmetric_scale(absmax, self.qmax),
+                                     **_compress_kernel(x, bits, self.block, "float"))
 
     def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         for name, x in (("key", key_states), ("value", value_states)):
@@ -358,6 +361,26 @@ class TurboLayer(CacheLayerMixin):
         if self.k_blocks is None:
             return 0
         return 2 * 2 * self.batch * self.kv_heads * self.cumulative_length * self.head_dim
+
+
+def _compress_kernel(x: torch.Tensor, bits: tuple[int, ...], block: int, step: str) -> dict[str, Callable]:
+    """The Triton compression for CUDA ``x`` as a keyword of ``turbo_compress_kv_ref`` (``step="float"``) or
+    ``turbo_append_ref`` (``"int8"``); ``{}`` (the reference) on CPU or, with one warning, where the kernel declines."""
+    if not x.is_cuda:
+        return {}
+    from quantpatch.kernels.turbo_compress_triton import (
+        compress_unsupported,
+        turbo_compress_blocks,
+        turbo_compress_int8_blocks,
+    )
+
+    reason = compress_unsupported(x, bits, block)
+    if reason is not None:
+        fall_back("TurboCache compression kernel", reason, strict=False, to="the PyTorch reference")
+        return {}
+    if step == "float":
+        return {"compress_blocks": turbo_compress_blocks}
+    return {"compress_int8": turbo_compress_int8_blocks}
 
 
 # --------------------------------------------------------------------------- cache
@@ -522,6 +545,7 @@ def turbo_cache_attention(
     attn_mask: torch.Tensor | None = None,
     is_causal: bool = True,
     scale: float | None = None,
+    use_kernel: bool | None = None,
 ) -> torch.Tensor:
     """Attention of ``query (B, H, Nq, D)`` over a compressed layer (TurboAttention Algorithm 2).
 
@@ -531,10 +555,23 @@ def turbo_cache_attention(
     ``quant_attention_ref`` with ``k_quantized`` / ``v_quantized``. ``is_causal``: bottom-right among the
     query tokens; ``attn_mask``: bool or additive, broadcastable to ``(B, H, Nq, N)``.
 
+    On CUDA the Triton decode kernel (``kernels/turbo_decode_triton.py``) reads the packed codes, the
+    integer scales and the buffer in place; what it does not take (an ``attn_mask``, head_dim outside
+    {64, 128}, ``Nq > 16``, other numerics) runs this reference, with one warning. ``use_kernel``:
+    None = on CUDA, False = always the reference (benchmarks).
+
     Returns:
         ``(B, H, Nq, D)`` in ``query``'s dtype.
     """
     cfg = cache_attention_config(cfg, layer.block)
+    if query.is_cuda and use_kernel is not False:
+        from quantpatch.kernels.turbo_decode_triton import decode_unsupported, turbo_decode_attention
+
+        parts = (layer.k_blocks, layer.v_blocks, layer.k_buffer, layer.v_buffer)
+        reason = "attn_mask" if attn_mask is not None else decode_unsupported(query, *parts, cfg)
+        if reason is None:
+            return turbo_decode_attention(query, *parts, cfg=cfg, is_causal=is_causal, scale=scale)
+        fall_back("TurboCache decode kernel", reason, strict=False, to="the PyTorch reference")
     k_q, v_q = layer.quantized(torch.float32)
     # k only supplies shapes, and K itself to smooth_q's ΔS (off in turbo): skip the float copy otherwise.
     k = k_q[0] * k_q[1] if cfg.smooth_q else k_q[0]
