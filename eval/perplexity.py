@@ -19,12 +19,21 @@ priority, calibrated on ``--calib``), ``mixed-inverse`` (the highest-priority he
     python eval/perplexity.py --model ../shared/models/pydoc-llama-21m --data ../shared/data/pydoc-val.jsonl \
         --kv-cache --calib ../shared/data/pydoc-calib.jsonl --modes off off:turbo4 turbo turbo:turbo4 turbo:mixed \
         turbo:mixed-random0 --out ppl_kv.json
+
+With ``--lm-eval-windows`` the windows are those of lm-eval's ``loglikelihood_rolling`` (what
+``eval/lm_eval_run.py``'s ``pydoc_perplexity`` task runs): each document on its own, tokenized as
+lm-eval's HFLM does (``tokenizer.encode``), every token scored, the first from the prefix token
+(BOS, else EOS), in disjoint chunks of ``--window`` predictions fed as ``--window``-token inputs (the
+last chunk of a document with a full window of context); no EOS between documents. The perplexity is
+``exp`` of the summed NLL over the summed token count (lm-eval's token-level perplexity)::
+
+    python eval/perplexity.py --model ../shared/models/pydoc-llama-21m --data ../shared/data/pydoc-val.jsonl \
+        --lm-eval-windows --window 1024 --modes off sage2-8b
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import platform
@@ -35,19 +44,16 @@ import torch
 from tqdm import tqdm
 
 import quantpatch
+from quantpatch.cli_commands import read_texts
+from quantpatch.environment import write_json
 
 logger = logging.getLogger("quantpatch.eval")
 
 
 def load_token_stream(tokenizer, path: str | Path, max_tokens: int) -> torch.Tensor:
     """The first ``max_tokens`` tokens of the corpus, documents each followed by EOS, as ``(N,)`` int64."""
-    path = Path(path)
-    if path.suffix == ".jsonl":
-        docs = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
-    else:
-        docs = [path.read_text()]
     ids: list[int] = []
-    for doc in docs:
+    for doc in read_texts(path):
         ids.extend(tokenizer(doc).input_ids + [tokenizer.eos_token_id])
         if len(ids) >= max_tokens:
             break
@@ -84,6 +90,27 @@ def sliding_window_nll(
         total, count, prev_end = total + float(loss), count + scored, end
         if end == len(ids):
             break
+    return total, count
+
+
+@torch.no_grad()
+def rolling_nll(model, docs: list[list[int]], prefix_token: int, window: int, desc: str = "") -> tuple[float, int]:
+    """Summed NLL and token count with lm-eval's ``loglikelihood_rolling`` windows (``context_len=1``).
+
+    Each document (a list of token ids) is scored on its own, every token predicted: its first
+    token from ``prefix_token`` alone. Targets are cut into chunks of ``window`` tokens; the chunk
+    ``tokens[p:p+w]`` is scored from one ``(1, <= window)`` forward over ``[prefix] + tokens`` ending
+    at its last input, so the last, shorter chunk of a long document gets a full window of context.
+    """
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for tokens in tqdm(docs, desc=desc or "documents", leave=False):
+        seq = torch.tensor([prefix_token, *tokens], dtype=torch.long, device=device)
+        for p in range(0, len(tokens), window):
+            w = min(window, len(tokens) - p)
+            logits = model(seq[max(0, p + w - window) : p + w].unsqueeze(0)).logits[0, -w:].float()
+            total += float(torch.nn.functional.cross_entropy(logits, seq[p + 1 : p + w + 1], reduction="sum"))
+        count += len(tokens)
     return total, count
 
 
@@ -153,7 +180,15 @@ def run(args: argparse.Namespace) -> dict:
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    ids = load_token_stream(tokenizer, args.data, args.max_tokens)
+    if args.lm_eval_windows:
+        if args.kv_cache or args.stride:
+            raise ValueError("--lm-eval-windows scores disjoint per-document windows: no --kv-cache or --stride")
+        docs = [tokenizer.encode(doc) for doc in read_texts(args.data)[: args.max_docs]]  # as lm-eval's HFLM
+        prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        n_tokens = sum(len(d) for d in docs)
+    else:
+        ids = load_token_stream(tokenizer, args.data, args.max_tokens)
+        n_tokens = len(ids)
     head_precision = None
     if args.calib:
         from quantpatch.calibration_turbo import calibrate_head_precision, load_texts
@@ -163,6 +198,9 @@ def run(args: argparse.Namespace) -> dict:
         logger.info("%s", head_precision.report())
 
     def evaluate(name: str, cache: str) -> float:
+        if args.lm_eval_windows:
+            total, count = rolling_nll(model, docs, prefix, args.window, desc=name)
+            return math.exp(total / count)
         if not args.kv_cache:
             return perplexity(model, ids, args.window, args.stride, desc=name)
         total, count = cached_nll(model, ids, cache_factory(model, cache, head_precision), args.window,
@@ -189,7 +227,9 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "model": str(args.model),
         "data": str(args.data),
-        "tokens": len(ids),
+        "tokens": n_tokens,
+        "windowing": "lm-eval loglikelihood_rolling, per document" if args.lm_eval_windows else "token stream",
+        "documents": len(docs) if args.lm_eval_windows else None,
         "window": args.window,
         "stride": args.stride or args.window,
         "kv_cache": {"prefill": args.prefill, "chunk": args.chunk} if args.kv_cache else None,
@@ -213,6 +253,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--kv-cache", action="store_true", help="score chunks fed through a KV cache")
+    parser.add_argument("--lm-eval-windows", action="store_true",
+                        help="score each document on its own with lm-eval's loglikelihood_rolling windows of --window "
+                             "tokens (prefix token BOS, else EOS); --max-tokens is then unused")
+    parser.add_argument("--max-docs", type=int, default=None, help="--lm-eval-windows: the first N documents")
     parser.add_argument("--prefill", type=int, default=512, help="--kv-cache: tokens prefilled per window")
     parser.add_argument("--chunk", type=int, default=64, help="--kv-cache: tokens per cached forward")
     parser.add_argument("--calib", default=None, help="jsonl of calibration texts for the mixed caches")
@@ -230,8 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
         delta = "" if r["delta_pct"] is None else f"{r['delta_pct']:+.2f}"
         print(f"{mode:<22} {r['ppl']:>9.3f} {delta:>7} {r['seconds']:>7.1f}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        write_json(args.out, report)
     return report
 
 

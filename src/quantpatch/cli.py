@@ -4,6 +4,7 @@
 inputs and prints its accuracy against a float64 attention: no download, CPU or GPU.
 ``quantpatch calibrate MODEL_DIR --mode fireq --data FILE.jsonl --samples N --seq-len L --out DIR``
 calibrates, converts and saves a checkpoint; ``quantpatch info DIR`` summarizes one.
+``quantpatch eval {lm,perplexity,video} ARGS...`` runs the evaluation scripts of ``eval/``.
 """
 
 from __future__ import annotations
@@ -61,14 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--head-dim", type=int, default=128)
     cmp.add_argument("--causal", action="store_true")
     cmp.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    add_subcommands(sub)  # calibrate, info
+    add_subcommands(sub)  # calibrate, info, eval
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "forward_unknown", False):  # `quantpatch eval NAME ...`: the script parses the rest
+        args.forwarded = unknown
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:  # bare `quantpatch`: the default job
         args = parser.parse_args(["compare"])
     if args.command == "compare":

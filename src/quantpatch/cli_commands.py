@@ -1,21 +1,34 @@
-"""``quantpatch calibrate`` and ``quantpatch info``: calibrate-convert-save once, inspect a checkpoint.
+"""``quantpatch calibrate``, ``quantpatch info`` and ``quantpatch eval``: calibrate-convert-save once,
+inspect a checkpoint, run an evaluation script.
 
     quantpatch calibrate MODEL_DIR --mode fireq --data FILE.jsonl --samples 64 --seq-len 512 --out DIR
     quantpatch info DIR
+    quantpatch eval lm --model DIR --data FILE.jsonl --modes sage2-8b   # = python eval/lm_eval_run.py ...
 
-:func:`add_subcommands` registers both on the main parser's subparsers; each sets
-``args.func`` to its command function.
+:func:`add_subcommands` registers them on the main parser's subparsers; each sets
+``args.func`` to its command function. ``quantpatch eval NAME ARGS...`` hands ``ARGS`` to the
+``main(argv)`` of the script in ``eval/`` (:data:`EVAL_SCRIPTS`): the scripts are the one
+implementation, and they ship with the source checkout, not with the wheel.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
 logger = logging.getLogger("quantpatch")
+
+EVAL_DIR = Path(__file__).resolve().parents[2] / "eval"
+EVAL_SCRIPTS = {
+    "lm": ("lm_eval_run.py", "lm-eval tasks (local perplexity / multiple choice, offline standard ones), fp vs modes"),
+    "perplexity": ("perplexity.py", "sliding-window perplexity of a causal LM, fp vs modes"),
+    "video": ("video_generation.py", "a Diffusers video pipeline, fp vs modes: latency, PSNR/SSIM, videos"),
+}
 
 
 def read_texts(path: str | Path) -> list[str]:
@@ -99,8 +112,22 @@ def info_command(args: argparse.Namespace) -> dict:
     return summary
 
 
+def eval_command(args: argparse.Namespace) -> object:
+    """Run ``eval/<script>``'s ``main(args.forwarded)``; returns what it returns."""
+    script = EVAL_DIR / EVAL_SCRIPTS[args.eval_name][0]
+    if not script.is_file():
+        raise SystemExit(f"quantpatch eval {args.eval_name} runs {script.name} from the eval/ folder of a source "
+                         f"checkout (pip install -e .); {script} does not exist")
+    name = f"_quantpatch_eval_{script.stem}"
+    spec = importlib.util.spec_from_file_location(name, script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    spec.loader.exec_module(module)
+    return module.main(args.forwarded)
+
+
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    """Register ``calibrate`` and ``info`` on the ``quantpatch`` parser's subparsers."""
+    """Register ``calibrate``, ``info`` and ``eval`` on the ``quantpatch`` parser's subparsers."""
     from quantpatch.modes import available_modes
 
     cal = sub.add_parser("calibrate", help="calibrate a Transformers model, convert it and save a checkpoint")
@@ -123,3 +150,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     inf.add_argument("--verify", action="store_true", help="also check every file's sha256")
     inf.add_argument("--json", action="store_true")
     inf.set_defaults(func=info_command)
+    ev = sub.add_parser("eval", help="run an evaluation script of eval/ (arguments go to the script)")
+    scripts = ev.add_subparsers(dest="eval_name", required=True)
+    for name, (script, help_text) in EVAL_SCRIPTS.items():
+        # no -h here: --help and every other argument reach the script's own parser (cli.main forwards them)
+        scripts.add_parser(name, help=f"{help_text} (eval/{script})", add_help=False)
+    ev.set_defaults(func=eval_command, forward_unknown=True)

@@ -50,3 +50,13 @@ def environment_info(device: str | torch.device = "cpu", repo: str | Path = ".")
         except ImportError:
             info[name] = None
     return info
+
+
+def write_json(path: str | Path, record: dict) -> Path:
+    """Write an eval/benchmark ``record`` as indented JSON to ``path`` (parent folders created)."""
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2))
+    return path

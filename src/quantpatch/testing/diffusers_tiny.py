@@ -163,3 +163,16 @@ def tiny_wan_pipeline(head_dim: int = HEAD_DIM):
     with torch.no_grad():
         embeds = text_encoder(ids).last_hidden_state
     return pipe, ids, embeds[:1], embeds[1:]
+
+
+def tiny_prompt_embeds(pipe, text: str, length: int = 7) -> torch.Tensor:
+    """``(1, length, 16)`` embeddings of ``text`` by the tiny pipeline's text encoder (no tokenizer offline).
+
+    The token ids stand in for a tokenizer: the text's first ``length`` UTF-8 bytes mapped to
+    ``1 + byte % (vocab - 1)`` (0 pads a shorter text), so equal texts give equal embeddings.
+    """
+    vocab = pipe.text_encoder.config.vocab_size
+    ids = [1 + b % (vocab - 1) for b in text.encode()[:length]]
+    ids = torch.tensor([ids + [0] * (length - len(ids))], device=pipe.text_encoder.device)
+    with torch.no_grad():
+        return pipe.text_encoder(ids).last_hidden_state
