@@ -112,18 +112,23 @@ def info_command(args: argparse.Namespace) -> dict:
     return summary
 
 
-def eval_command(args: argparse.Namespace) -> object:
-    """Run ``eval/<script>``'s ``main(args.forwarded)``; returns what it returns."""
-    script = EVAL_DIR / EVAL_SCRIPTS[args.eval_name][0]
+def load_eval_script(relative: str):
+    """Import ``eval/<relative>`` (e.g. ``"lm_eval_run.py"``) of the source checkout as a module."""
+    script = EVAL_DIR / relative
     if not script.is_file():
-        raise SystemExit(f"quantpatch eval {args.eval_name} runs {script.name} from the eval/ folder of a source "
-                         f"checkout (pip install -e .); {script} does not exist")
-    name = f"_quantpatch_eval_{script.stem}"
+        raise SystemExit(f"{script} does not exist: the eval/ scripts ship with the source checkout (pip install -e .),"
+                         " not with the wheel")
+    name = "_quantpatch_eval_" + script.relative_to(EVAL_DIR).with_suffix("").as_posix().replace("/", "_")
     spec = importlib.util.spec_from_file_location(name, script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look the module up by name
     spec.loader.exec_module(module)
-    return module.main(args.forwarded)
+    return module
+
+
+def eval_command(args: argparse.Namespace) -> object:
+    """Run ``eval/<script>``'s ``main(args.forwarded)``; returns what it returns."""
+    return load_eval_script(EVAL_SCRIPTS[args.eval_name][0]).main(args.forwarded)
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:

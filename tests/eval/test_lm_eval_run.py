@@ -4,34 +4,23 @@ well above chance, and a standard task without offline data is skipped with its 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from quantpatch.cli import main as cli_main
+from quantpatch.cli_commands import load_eval_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared"
 MODEL = SHARED / "models" / "pydoc-llama-21m"
 DATA = SHARED / "data" / "pydoc-val.jsonl"
-TASKS = ROOT / "eval" / "lm_eval_tasks"
 
 pytestmark = [
     pytest.mark.skipif(not (MODEL.is_dir() and DATA.is_file()), reason=f"needs {MODEL} and {DATA} (../shared)"),
     pytest.mark.usefixtures("one_cpu_thread"),  # tests/conftest.py
 ]
-
-
-def _load_script(name: str):
-    module_name = "_quantpatch_test_" + name.replace("/", "_")
-    spec = importlib.util.spec_from_file_location(module_name, ROOT / "eval" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +42,9 @@ def test_local_perplexity_task_matches_perplexity_py(small_data, tmp_path):
     report = _eval_lm(tmp_path / "lm.json", "--data", str(small_data), "--tasks", "pydoc_perplexity",
                       "--modes", "sage2-4b", "--max-length", "256")
     lm_eval_ppl = {row: r["tasks"]["pydoc_perplexity"]["token_perplexity"] for row, r in report["results"].items()}
-    reference = _load_script("perplexity").main(["--model", str(MODEL), "--data", str(small_data), "--device", "cpu",
-                                                 "--lm-eval-windows", "--window", "256", "--modes", "off", "sage2-4b"])
+    reference = load_eval_script("perplexity.py").main([
+        "--model", str(MODEL), "--data", str(small_data), "--device", "cpu", "--lm-eval-windows", "--window", "256",
+        "--modes", "off", "sage2-4b"])
     ours = {"fp": reference["results"]["off"]["ppl"], "sage2-4b": reference["results"]["sage2-4b"]["ppl"]}
     assert reference["tokens"] == report["results"]["fp"]["tasks"]["pydoc_perplexity"]["tokens"]
     for row in ("fp", "sage2-4b"):
@@ -71,13 +61,13 @@ def test_choice_task_above_chance_and_missing_data_skipped(tmp_path):
     assert report["tasks_run"] == ["pydoc_choice"]
     assert "not available offline" in report["tasks_skipped"]["hellaswag"]
     choice = report["results"]["fp"]["tasks"]["pydoc_choice"]
-    chance = 1 / _load_script("lm_eval_tasks/utils").CHOICES
+    chance = 1 / load_eval_script("lm_eval_tasks/utils.py").CHOICES
     assert 0.0 <= choice["acc"] <= 1.0
     assert choice["acc"] - 3 * choice["acc_stderr"] > chance, choice
 
 
 def test_choice_items_are_deterministic_and_well_formed():
-    utils = _load_script("lm_eval_tasks/utils")
+    utils = load_eval_script("lm_eval_tasks/utils.py")
     texts = [json.loads(line)["text"] for line in DATA.read_text().splitlines() if line.strip()]
     items = utils.build_items(texts)
     assert items == utils.build_items(texts) and len(items) > 100
@@ -92,7 +82,7 @@ def test_choice_items_are_deterministic_and_well_formed():
 
 
 def test_task_templates_render_with_the_data_path(tmp_path):
-    module = _load_script("lm_eval_run")
+    module = load_eval_script("lm_eval_run.py")
     names = module.render_tasks(DATA, tmp_path)
     assert names == ["pydoc_choice", "pydoc_perplexity"]
     for name in names:
