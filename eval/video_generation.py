@@ -145,7 +145,7 @@ def save_strip(videos: dict[str, torch.Tensor], labels: dict[str, str], indices:
             if c == 0:
                 ax.set_ylabel(labels[name], fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=72)
     plt.close(fig)
     return path
 
