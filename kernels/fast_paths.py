@@ -72,7 +72,7 @@ def config_unsupported(cfg: AttentionConfig) -> str | None:
             return ("SAS runs in the kernel only with TurboAttention's other steps (INT8 Q/K/V, per-block V, "
                     "per-tile P, no smooth Q, ℓ from P̃)")
         if cfg.sas_threshold != SAS_THRESHOLD:
-            return f"sas_threshold={cfg.sas_threshold} (the kernel's LUT is unrolled for n_r = {SAS_THRESHOLD})"
+            return f"sas_threshold={cfg.sas_threshold} (the kernels take n_r = {SAS_THRESHOLD})"
         if cfg.block_q not in (64, 128) or cfg.block_k not in (64, 128):
             return f"block_q={cfg.block_q}, block_k={cfg.block_k}: the turbo kernel's tiles take 64 or 128"
     elif cfg.p_from_block_max or cfg.v_granularity == "block":
