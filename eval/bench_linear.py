@@ -17,7 +17,8 @@ which flushes L2 between calls, so weights come from HBM as in a model's forward
 over several input sets; TFLOPS = 2·M·N·K / t. Ratios are the baselines' times over each row's
 time in the same run (> 1: faster than the baseline). Accuracy: relative L1 against the bf16
 ``F.linear`` output on the same inputs (M = ``--acc-m`` tokens of N(0, 1), weights N(0, 0.02²)).
-``--tune`` times the GEMM's tile configurations instead (``tune.csv``). ``--device cpu`` (with
+``--tune`` times the GEMM's tile configurations instead (``tune.csv``, and ``best_table.json``:
+the best configuration per M bucket, which ``--configs`` runs with). ``--device cpu`` (with
 ``--quick``) is a smoke run of the whole pipeline with a wall-clock timer.
 
 Writes ``speed.csv``, ``accuracy.csv``, ``bench.json`` (GPU, versions, commit, config, rows),
@@ -36,6 +37,7 @@ import argparse
 import itertools
 import json
 import logging
+import math
 import statistics
 import sys
 import time
@@ -200,6 +202,31 @@ def tune_candidates() -> list[dict]:
     return cands
 
 
+TABLE_BUCKETS = (16, 256, None)  # the max-M rows of ``w4a8_triton.GEMM_CONFIGS``
+
+
+def best_table(rows: list[dict]) -> list:
+    """``GEMM_CONFIGS`` rows from a sweep: per M bucket, the configuration with the least geometric mean of
+    (its time / the best time) over the bucket's (shape, M) points (only configurations timed at all of them)."""
+    cfg_keys = ("block_m", "block_n", "split_k", "swap_ab", "num_warps", "num_stages")
+    table, lo = [], 0
+    for hi in TABLE_BUCKETS:
+        pts = {(r["k"], r["n"], r["m"]) for r in rows if r["m"] > lo and (hi is None or r["m"] <= hi)}
+        lo = hi or 0
+        if not pts:
+            continue
+        best_ms = {p: min(r["ms"] for r in rows if (r["k"], r["n"], r["m"]) == p) for p in pts}
+        score: dict = {}
+        for r in rows:
+            p = (r["k"], r["n"], r["m"])
+            if p in pts:
+                score.setdefault(tuple(r[c] for c in cfg_keys), []).append(math.log(r["ms"] / best_ms[p]))
+        full = {c: sum(v) / len(v) for c, v in score.items() if len(v) == len(pts)}
+        if full:
+            table.append([hi, dict(zip(cfg_keys, min(full, key=full.get)))])
+    return table
+
+
 def tune_rows(args) -> list[dict]:
     from quantpatch.kernels import w4a8_triton as wt
 
@@ -223,6 +250,9 @@ def tune_rows(args) -> list[dict]:
             if best is None or ms < best["ms"]:
                 best = rows[-1]
         print(f"tune K={k} N={n} M={m} bf16 {bf16_ms:.4f} ms; best {best}", flush=True)
+        # written after every point: a time-boxed sweep still leaves its table
+        write_csv(args.out / "tune.csv", rows)
+        (args.out / "best_table.json").write_text(json.dumps(best_table(rows)))
         layer = None
         torch.cuda.empty_cache()
     return rows
@@ -287,6 +317,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-accuracy", action="store_true")
     p.add_argument("--quick", action="store_true", help="CPU: one 256x384 shape at M in {1, 16}, 3 calls")
     p.add_argument("--tune", action="store_true", help="time GEMM tile configurations instead (GEMM only)")
+    p.add_argument("--configs", type=Path, help="a GEMM_CONFIGS table (best_table.json of --tune) to run with")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
     args.shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
@@ -302,14 +333,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.tune and args.device.type != "cuda":
         raise SystemExit("--tune times the Triton GEMM and needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.configs is not None:
+        from quantpatch.kernels import w4a8_triton as wt
+
+        wt.GEMM_CONFIGS = tuple((max_m, cfg) for max_m, cfg in json.loads(args.configs.read_text()))
     meta = environment_info(args.device, REPO_ROOT)
     meta["config"] = {k: (str(v) if isinstance(v, (Path, torch.device)) else v) for k, v in vars(args).items()}
     print(json.dumps({k: v for k, v in meta.items() if k != "config"}), flush=True)
     if args.tune:
         rows = tune_rows(args)
-        write_csv(args.out / "tune.csv", rows)
         (args.out / "tune.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         return dict(meta=meta, tune=rows)
+    if args.device.type == "cuda":
+        from quantpatch.kernels import w4a8_triton as wt
+
+        meta["gemm_configs"] = wt.GEMM_CONFIGS
     speed = speed_rows(args)
     acc = [] if args.no_accuracy else accuracy_rows(args)
     write_csv(args.out / "speed.csv", speed)

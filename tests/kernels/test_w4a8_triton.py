@@ -158,8 +158,9 @@ def test_interpreter_fp8_dot_is_exact_on_e4m3_operands():
                      config=dict(block_m=16, block_n=16, split_k=1, swap_ab=False, num_warps=4, num_stages=1))
     q, sigma = unpack_weight(packed, torch.float64)
     expect = (x_hat.cpu().double() @ q.T) * sigma[:, 0]
-    if CUDA:  # Hopper's FP8 accumulator is narrower (module docstring)
-        torch.testing.assert_close(y.cpu().double(), expect, rtol=2.0**-9, atol=0)
+    if CUDA:  # Hopper's FP8 accumulator is narrower: γ_gpu of the magnitude (module docstring)
+        mag = (x_hat.cpu().double().abs() @ q.abs().T) * sigma[:, 0]
+        assert ((y.cpu().double() - expect).abs() <= GAMMA_GROUP * mag).all()
     else:
         assert torch.equal(y.double(), expect.float().double())  # |partial| < 2^24 in integer steps of 2^-9
 
