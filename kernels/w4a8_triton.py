@@ -206,12 +206,14 @@ def _w4a8_splitk_epilogue_kernel(
              mask=mask)
 
 
-# (max M, config): the first row whose max M ≥ M; split_k is capped so each run keeps ≥ 4 groups.
+# (max M, config): the first row whose max M ≥ M; split_k is capped so each run keeps ≥ 4 groups. Picked by
+# ``eval/bench_linear.py --tune`` on an H200 (best geometric mean over the Llama-8B shapes at M ∈ {1, 16} /
+# {128} / {4096}; eval/results/bench_linear/h200/tune.csv): decode runs BLOCK_N = 64 output channels as wgmma's
+# M side (SWAP_AB) in 8 split-K runs, larger M 128 × 64 tiles.
 GEMM_CONFIGS = (
-    (16, dict(block_m=16, block_n=64, split_k=4, swap_ab=True, num_warps=4, num_stages=4)),
-    (64, dict(block_m=64, block_n=64, split_k=2, swap_ab=False, num_warps=4, num_stages=4)),
-    (256, dict(block_m=64, block_n=128, split_k=1, swap_ab=False, num_warps=4, num_stages=4)),
-    (None, dict(block_m=128, block_n=128, split_k=1, swap_ab=False, num_warps=8, num_stages=3)),
+    (16, dict(block_m=16, block_n=64, split_k=8, swap_ab=True, num_warps=4, num_stages=4)),
+    (256, dict(block_m=128, block_n=64, split_k=1, swap_ab=False, num_warps=4, num_stages=4)),
+    (None, dict(block_m=128, block_n=64, split_k=1, swap_ab=False, num_warps=4, num_stages=3)),
 )
 MIN_GROUPS_PER_SPLIT = 4
 
