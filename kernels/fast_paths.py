@@ -26,7 +26,7 @@ import math
 import torch
 
 from quantpatch.config import AttentionConfig
-from quantpatch.dispatch import AttentionCall, Implementation, register
+from quantpatch.dispatch import AttentionCall, Implementation, cuda_unsupported, register
 
 from .attn_qk_int8_pv_fp8_triton import SAS_THRESHOLD, attn_qk_int8_pv_fp8
 from .qk_quant_triton import GRAN_IDS, QuantizedQKV, quantize_qkv
@@ -101,16 +101,10 @@ def config_unsupported(cfg: AttentionConfig) -> str | None:
 def call_unsupported(call: AttentionCall) -> str | None:
     """Why the Triton path cannot take ``call`` (None if it can)."""
     q, k, v, cfg = call.q, call.k, call.v, call.config
-    if not q.is_cuda:
-        return "inputs are not CUDA tensors"
-    if torch.version.hip is not None:
-        return "ROCm is not supported by these kernels"
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if (major, minor) < (8, 0):
-        return f"compute capability {major}.{minor} < 8.0"
     fp8 = cfg.qk_format in FP8_OPERANDS or cfg.pv_format in FP8_OPERANDS
-    if fp8 and (major, minor) < (8, 9):
-        return f"FP8 operands need compute capability >= 8.9, got {major}.{minor}"
+    reason = cuda_unsupported(q, (8, 9), "FP8 operands") if fp8 else cuda_unsupported(q, (8, 0), "INT8 operands")
+    if reason:
+        return reason
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {q.dtype} (the kernels take float16 / bfloat16)"
     if q.shape[-1] not in HEAD_DIMS or v.shape[-1] != q.shape[-1]:
