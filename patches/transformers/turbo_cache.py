@@ -29,8 +29,8 @@ attention plain full precision.
   publishes the cache; the patched attention function finds the layer by ``module.layer_idx``
   (:func:`turbo_layer_for`) and attends on the compressed blocks and the buffer directly
   (:func:`turbo_cache_attention`; Q per token ``absmax / 119``, SAS, P INT8 per 64-key tile). No float
-  copy of the cache is kept (the PyTorch reference dequantizes to the INT8 grid per call; the Triton
-  decode kernel will do that in registers);
+  copy of the cache is kept (on CUDA the Triton decode kernel dequantizes to the INT8 grid in registers;
+  the PyTorch reference, on CPU and for what the kernel declines, per call);
 * otherwise (unpatched model, another mode, an excluded site) it returns the cache dequantized to the
   input dtype, as Transformers' own ``QuantizedCache`` does, so any attention stays correct.
 
