@@ -9,6 +9,8 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
+
 logger = logging.getLogger("quantpatch")
 
 _WARNED: set[str] = set()
@@ -26,18 +28,33 @@ class SiteRecord:
 
 
 # The patched site currently running, so that a fallback deep inside quantpatch.attention is
-# attributed to its module in the PatchHandle report.
+# attributed to its module in the PatchHandle report. torch.compile cannot trace a ContextVar
+# (each access would break the graph), so while dynamo traces, a plain stack stands in for it.
 _current_site: contextvars.ContextVar[SiteRecord | None] = contextvars.ContextVar("quantpatch_site", default=None)
+_traced_sites: list[SiteRecord | None] = []
 
 
 @contextlib.contextmanager
 def running_site(record: SiteRecord | None) -> Iterator[None]:
     """Attribute fallbacks reported while the block runs to ``record``."""
+    if torch.compiler.is_compiling():
+        _traced_sites.append(record)
+        try:
+            yield
+        finally:
+            _traced_sites.pop()
+        return
     token = _current_site.set(record)
     try:
         yield
     finally:
         _current_site.reset(token)
+
+
+def _running_site() -> SiteRecord | None:
+    if torch.compiler.is_compiling():
+        return _traced_sites[-1] if _traced_sites else None
+    return _current_site.get()
 
 
 class QuantpatchFallbackWarning(UserWarning):
@@ -53,7 +70,7 @@ def fall_back(what: str, reason: str, *, strict: bool, to: str = "full precision
     message = f"{what}: {reason}; falling back to {to}"
     if strict:
         raise UnsupportedError(f"{what}: {reason} (strict=True forbids the fallback to {to})")
-    site = _current_site.get()
+    site = _running_site()
     if site is not None:
         site.fallbacks.add(reason)
     if message not in _WARNED:
@@ -64,7 +81,7 @@ def fall_back(what: str, reason: str, *, strict: bool, to: str = "full precision
 
 def note_implementation(name: str) -> None:
     """Record on the running site (if any) which implementation served a call."""
-    site = _current_site.get()
+    site = _running_site()
     if site is not None:
         site.implementations.add(name)
 

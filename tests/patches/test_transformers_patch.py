@@ -188,3 +188,29 @@ def test_untested_family_is_patched_with_a_note_or_refused_under_strict(no_leaks
     with qp.patch_model(model, "sage2-8b") as handle:
         assert any("'opt'" in note and "all the same" in note for note in handle.notes)
         assert len(handle.sites) == 2
+
+
+@torch.library.custom_op("quantpatch_test::stand_in_attention", mutates_args=())
+def _stand_in_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+
+
+@_stand_in_attention.register_fake
+def _(q, k, v, is_causal):
+    return torch.empty_like(q)
+
+
+def test_patched_attention_adds_no_graph_breaks_around_a_kernel_op(monkeypatch, one_cpu_thread):
+    # On the CPU a custom op stands in for the Triton kernels (same registry slot, same call path), so
+    # this checks quantpatch's own Python around the op: site records, the mask skip, the cache lookup.
+    from quantpatch import dispatch
+
+    stand_in = dispatch.Implementation("stand-in", 100, lambda call: None,
+                                       lambda call: _stand_in_attention(call.q, call.k, call.v, call.is_causal))
+    monkeypatch.setitem(dispatch._REGISTRY, "sage2", [stand_in, *dispatch._REGISTRY["sage2"]])
+    model, ids = tiny_model("llama"), torch.randint(3, 100, (2, 40))
+    torch._dynamo.reset()
+    with qp.patch_model(model, "sage2-8b") as handle, torch.no_grad():
+        explained = torch._dynamo.explain(model)(ids)
+    assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
+    assert all(site.implementations == {"stand-in"} for site in handle.sites)
