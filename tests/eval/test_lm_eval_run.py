@@ -90,3 +90,16 @@ def test_task_templates_render_with_the_data_path(tmp_path):
     assert (tmp_path / "utils.py").is_file()
     with pytest.raises(FileNotFoundError):
         module.render_tasks(tmp_path / "missing.jsonl", tmp_path)
+
+
+def test_calibrated_checkpoint_is_a_row(small_data, tmp_path):
+    ckpt = tmp_path / "ckpt-fireq"
+    cli_main(["calibrate", str(MODEL), "--mode", "fireq", "--data", str(SHARED / "data" / "pydoc-calib.jsonl"),
+              "--samples", "2", "--seq-len", "64", "--out", str(ckpt)])
+    report = _eval_lm(tmp_path / "lm.json", "--data", str(small_data), "--tasks", "pydoc_perplexity",
+                      "--modes", "--checkpoint", str(ckpt), "--max-length", "256", "--limit", "2")
+    fp = report["results"]["fp"]["tasks"]["pydoc_perplexity"]
+    row = report["results"]["ckpt:ckpt-fireq"]
+    assert row["mode"]["name"] == "fireq" and row["tasks"]["pydoc_perplexity"]["tokens"] == fp["tokens"]
+    # W4A8 linears + INT4 KV: worse than fp, but a working model (not a broken load)
+    assert fp["token_perplexity"] < row["tasks"]["pydoc_perplexity"]["token_perplexity"] < 2 * fp["token_perplexity"]
