@@ -54,8 +54,8 @@ def _margin_at(model, tok, prompt, generated, step):
 
 def test_sage2_8b_keeps_greedy_tokens_except_at_near_ties(pydoc, no_leaks):
     # Issue 4 asks for identical 16-token greedy output on 5 prompts under sage2-8b. Measured on the
-    # CPU: 5/5 at 2f8ad5d and later, 4/5 before d04e872 changed the K-mean rounding (16/20 on pydoc-val
-    # prompts; int8-flash 5/5 and 19/20). The one prompt that moved is a near-tie: "import os ...
+    # CPU: 5/5 at 2f8ad5d; 4/5 at an earlier commit of session 1 (16/20 on pydoc-val prompts there;
+    # int8-flash 5/5 and 19/20). The one prompt that flips with rounding is a near-tie: "import os ...
     # list_files(path):\n" has 'def' ahead of '\n' by 0.074 logits, and FP8 P̃·V moves that margin
     # by about 0.05 (Q·K INT8 by 0.01). Asserted: at least 4/5, and every divergence starts where the
     # unpatched model's top-2 margin is under 0.15 logits.
