@@ -6,23 +6,35 @@ token), read straight from the stored layout (no float copy of the cache). Per p
 query heads (GQA: each K/V byte is loaded once for ``G · Nq`` rows, ``r = g·NQ_PAD + i``)::
 
     Q̂ = clamp(rne(q / s_Q), ±119),  s_Q = absmax(q_row) / 119                     (per token, once)
-    K̂_j = (X^{q2} + z^int)·s^int  (clamped to ±127 for 2-bit)                    unpacked in registers
-    S = (Q̂ K̂_jᵀ) · (s_Q s_Kj) · scale                                             INT8 dot, int32 accumulate
+    K̂_j = (X^{q2} + z^int)·s^int  (clamped to ±127 for 2-bit)
+    S = (Q̂ K̂_jᵀ) · (s_Q s_Kj) · scale                                             fp16 dot, fp32 accumulate
     m' = max(m, rowmax S),  P̃ = SAS(S − m'),  α = SAS(m − m')                    SAS = LUT[⌊−x⌋]·POLY(frac), n_r = −6
     s_P = max(P̃ over the head's rows and the tile) / 119,  P̂ = clamp(rne(P̃ / s_P), ±119)
-    R = (P̂ V̂_j) · s_P · s_Vj,   acc = α·acc + R,   ℓ = α·ℓ + rowsum P̃               INT8 dot
+    R = (P̂ V̂_j) · s_P · s_Vj,   acc = α·acc + R,   ℓ = α·ℓ + rowsum P̃               fp16 dot, fp32 accumulate
 
-For 4-bit V, ``P̂ V̂_j = s^int ⊙ (P̂ X^{q2} + z^int · rowsum P̂)`` in integers (no clamp acts on 4-bit
-blocks: ``|X^{q1}| ≤ 119 + s^int/2 ≤ 127``), so V's codes go to the dot undecoded and the scale and zero
-point act on the ``(rows, D)`` result. The INT8 buffer (tokens not compressed yet, one universal scale)
-is the last tile of the last split (masked tail). ``Nq ≤ 16`` query tokens are causal bottom-right
-(query ``i`` sees key ``j ≤ i + N − Nq``).
+Every dot is integer arithmetic on fp16 operands: all operands are integers ≤ 2048 in magnitude (exact
+in fp16), products exact in fp32 and every partial sum an integer < 2²⁴ (``|Q̂ K̂ᵀ| ≤ 128·119·127``,
+``|P̂ V̂| ≤ 64·119·127``), so the results equal the INT8 dots of the reference bit for bit. fp16 (not INT8)
+because an INT8 ``mma`` operand cannot be transposed by ``ldmatrix``: V's codes (keys × channels) would
+go through shared memory one byte at a time.
+
+Channels by code position: byte ``j`` of a packed row holds channels ``k·j + i`` (``k = 8 / bits``) at
+bits ``bits·i``, so the codes at position ``i`` of every byte form a ``(keys, D/k)`` tile with one shift
+and one mask, and the head dim is split into those ``k`` parts (Q̂, the scales, the output accumulator):
+``S = Σ_i Q̂_i K̂_iᵀ`` (no ``(keys, D)`` tile is ever built, no reshape). 4-bit blocks need no clamp, so
+``Q̂ K̂ᵀ = (Q̂ ⊙ s^int)·(X^{q2} + z^int)ᵀ`` (``|Q̂ ⊙ s^int| ≤ 119·16`` is exact in fp16) and
+``P̂ V̂ = s^int ⊙ (P̂ X^{q2} + z^int · rowsum P̂)``: the scales act on the small side (Q's 16 rows, the
+``(rows, D)`` result) and the codes go to the dots as they are. P̂: one IEEE reciprocal per row, then
+Markstein's correction (``q = P̃·r``, ``q += (P̃ − s_P q)·r`` with FMAs) gives the IEEE quotient
+``P̃ / s_P`` itself, so P̂ is the reference's integer. The INT8 buffer (tokens not compressed yet, one
+universal scale) is the last tile of the last split (masked tail). ``Nq ≤ 16`` query tokens are causal
+bottom-right (query ``i`` sees key ``j ≤ i + N − Nq``).
 
 Flash-decoding: the key blocks are split over ``NUM_SPLITS`` programs per (batch, KV head); each writes
 its ``(m, ℓ, acc)`` and ``_turbo_combine_kernel`` merges them with SAS weights,
 ``O = Σ_s SAS(m_s − M)·acc_s / Σ_s SAS(m_s − M)·ℓ_s`` (the reference's own rescaling, α = SAS(Δm)).
 With one split the kernel writes ``acc / ℓ`` itself and follows the reference operation for operation:
-the integer parts are exact, every rounding is the reference's (IEEE ``div_rn``, no FMA contraction),
+the integer parts are exact, every rounding is the reference's (IEEE quotients, no FMA contraction),
 and only the float sums (ℓ, the dots' int→float) differ in order. With several splits each split's
 P̃ is taken against its own running max, as any split of the reference's sequential loop would.
 
@@ -61,42 +73,71 @@ NUM_WARPS, NUM_STAGES = 4, 2  # launch of the decode kernel
 
 
 @triton.jit
-def _unpack(C_ptr, rows, stride_cn, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
-    """Codes of ``rows (BLOCK_N,)`` → int32 ``(BLOCK_N, HEAD_DIM)``; channel ``k·j + i`` = bits ``BITS·i`` of byte j."""
-    PER_BYTE: tl.constexpr = 8 // BITS
-    offs_j = tl.arange(0, HEAD_DIM // PER_BYTE)
-    packed = tl.load(C_ptr + rows[:, None] * stride_cn + offs_j[None, :])
-    shifts = tl.arange(0, PER_BYTE) * BITS
-    codes = (packed[:, :, None].to(tl.int32) >> shifts[None, None, :]) & (2**BITS - 1)
-    return tl.reshape(codes, (rows.shape[0], HEAD_DIM))
+def _codes(packed, p: tl.constexpr, BITS: tl.constexpr):
+    """The codes at position ``p`` of each byte of ``packed``: channel ``(8 / BITS)·j + p`` for byte ``j``."""
+    return (packed >> (BITS * p)) & (2**BITS - 1)
 
 
 @triton.jit
-def _attend(
-    acc, l_i, m_i, q_hat, qs, k_hat, k_scale, v_hat, v_sint, v_zint, v_scale, keep, sm_scale,
-    G_PAD: tl.constexpr, NQ_PAD: tl.constexpr, PMAX: tl.constexpr, V_CODES: tl.constexpr,
-):
-    """One key tile: scores, SAS online softmax, per-head P̂, INT8 P·V (``V_CODES``: v_hat = raw 4-bit codes)."""
-    s_int = tl.dot(q_hat, tl.trans(k_hat), out_dtype=tl.int32)
-    s = s_int.to(tl.float32) * (qs * k_scale)[:, None] * sm_scale
-    s = tl.where(keep, s, float("-inf"))
+def _channel_parts(ptr, HEAD_DIM: tl.constexpr, PB: tl.constexpr):
+    """The ``(HEAD_DIM,)`` vector at ``ptr`` (one load) in ``PB`` parts: part ``p`` = channels ``PB·j + p``."""
+    v = tl.load(ptr + tl.arange(0, HEAD_DIM))
+    if PB == 2:
+        parts = tl.split(tl.reshape(v, (HEAD_DIM // 2, 2)))
+    else:
+        even, odd = tl.split(tl.reshape(v, (HEAD_DIM // 4, 2, 2)))  # [j, a] = channel 4j + 2a (+ 1)
+        p0, p2 = tl.split(even)
+        p1, p3 = tl.split(odd)
+        parts = (p0, p1, p2, p3)
+    return parts
+
+
+@triton.jit
+def _dequant(x, z, s, BITS: tl.constexpr):
+    """``(x + z^int)·s^int`` in fp16 (exact: integers ≤ 2048), clamped to ±127 for 2-bit blocks (4-bit ones
+    cannot pass it)."""
+    v = (x.to(tl.float16) + z.to(tl.float16)[None, :]) * s.to(tl.float16)[None, :]
+    if BITS == 2:
+        v = tl.minimum(tl.maximum(v, -127.0), 127.0)
+    return v.to(tl.float16)
+
+
+@triton.jit
+def _quantize_p(p, p_scale, PMAX: tl.constexpr):
+    """``min(rne(P̃ / s_P), PMAX)`` with one reciprocal per row: Markstein's correction of ``P̃ · RN(1/s_P)``
+    (an exact FMA residual, then one FMA) is the IEEE quotient itself (``RN(1/s)`` within ½ ulp, the
+    product within 1 ulp), so P̂ is the reference's integer."""
+    r = tl.math.div_rn(1.0, p_scale)[:, None]
+    q = p * r
+    q = tl.math.fma(tl.math.fma(-p_scale[:, None], q, p), r, q)
+    return tl.minimum(_rne(q), PMAX * 1.0).to(tl.float16)
+
+
+@triton.jit
+def _softmax(s_int, qk_scale, keep, m_i, l_i, sm_scale,
+             G_PAD: tl.constexpr, NQ_PAD: tl.constexpr, PMAX: tl.constexpr, MASK: tl.constexpr):
+    """SAS online softmax of one key tile: ``(P̂ (fp16), s_P, α, ℓ, m)``; P̂'s scale is per query head."""
+    s = s_int * qk_scale[:, None] * sm_scale
+    if MASK:
+        s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: SAS(−∞) = 0, not NaN
     alpha = _sas_exp(m_i - m_safe)
     p = _sas_exp(s - m_safe[:, None])
     # P̂ scale: max over the tile's rows of one query head (the reference's block_q tile holds all its Nq rows)
-    head_max = tl.max(tl.reshape(tl.max(p, 1), (G_PAD, NQ_PAD)), 1)
-    row_max = tl.reshape(tl.broadcast_to(head_max[:, None], (G_PAD, NQ_PAD)), (G_PAD * NQ_PAD,))
+    row_max = tl.max(p, 1)
+    if NQ_PAD > 1:
+        head_max = tl.max(tl.reshape(row_max, (G_PAD, NQ_PAD)), 1)
+        row_max = tl.reshape(tl.broadcast_to(head_max[:, None], (G_PAD, NQ_PAD)), (G_PAD * NQ_PAD,))
     p_scale = tl.math.div_rn(row_max, PMAX * 1.0)
     p_scale = tl.where(p_scale == 0.0, 1.0, p_scale)
-    p_hat = tl.minimum(_rne(tl.math.div_rn(p, p_scale[:, None])), PMAX * 1.0).to(tl.int8)
-    r = tl.dot(p_hat, v_hat, out_dtype=tl.int32)
-    if V_CODES:
-        r = (r + v_zint[None, :] * tl.sum(p_hat.to(tl.int32), 1)[:, None]) * v_sint[None, :]
-    r = r.to(tl.float32) * p_scale[:, None] * v_scale
-    acc = acc * alpha[:, None] + r
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return acc, l_i, m_new
+    return _quantize_p(p, p_scale, PMAX), p_scale, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def _accumulate(acc, r, alpha, p_scale, v_scale):
+    """``α·acc + R·s_P·s_V`` for one channel part."""
+    return acc * alpha[:, None] + r * p_scale[:, None] * v_scale
 
 
 @triton.jit(do_not_specialize=["NQ", "T", "NB", "BLOCKS_PER_SPLIT", "NUM_SPLITS"])
@@ -110,11 +151,14 @@ def _turbo_decode_kernel(
     MP_ptr, LP_ptr, ACC_ptr,
     NQ, T, NB, HKV, HG, BLOCKS_PER_SPLIT, NUM_SPLITS, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, NQ_PAD: tl.constexpr,
-    BITS_K: tl.constexpr, BITS_V: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
-    QMAX: tl.constexpr, PMAX: tl.constexpr,
+    BITS_K: tl.constexpr, BITS_V: tl.constexpr, CAUSAL: tl.constexpr, ROW_MASK: tl.constexpr,
+    DIRECT: tl.constexpr, QMAX: tl.constexpr, PMAX: tl.constexpr,
 ):
     """Split ``program_id(0)`` of (batch, group slot) ``program_id(1)``; META = (kv head, K / V code byte offsets)."""
     BLOCK_M: tl.constexpr = G_PAD * NQ_PAD
+    PK: tl.constexpr = 8 // BITS_K  # channel parts of K (code positions in a byte)
+    PV: tl.constexpr = 8 // BITS_V
+    MASK: tl.constexpr = CAUSAL or ROW_MASK
     pid_s = tl.program_id(0)
     pid = tl.program_id(1)
     b = pid // HG
@@ -124,17 +168,26 @@ def _turbo_decode_kernel(
     v_off = tl.multiple_of(tl.load(META_ptr + 2 * HG + slot), 16)
     bh = b * HKV + h
 
-    # Q: per-token INT8 (absmax / QMAX), rows r = g·NQ_PAD + i of query head h·GROUP + g
+    # Q: per-token INT8 (absmax / QMAX), rows r = g·NQ_PAD + i of query head h·GROUP + g, in K's channel parts
     offs_m = tl.arange(0, BLOCK_M)
     g = offs_m // NQ_PAD
     qi = offs_m % NQ_PAD
     row_ok = (g < GROUP) & (qi < NQ)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = Q_ptr + b.to(tl.int64) * stride_qb + (h * GROUP + g)[:, None] * stride_qh + qi[:, None] * stride_qm
-    q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    qs = tl.math.div_rn(tl.max(tl.abs(q), 1), QMAX * 1.0)
+    offs_jk = tl.arange(0, HEAD_DIM // PK)
+    offs_jv = tl.arange(0, HEAD_DIM // PV)
+    q_rows = Q_ptr + b.to(tl.int64) * stride_qb + (h * GROUP + g)[:, None] * stride_qh + qi[:, None] * stride_qm
+    q = ()
+    q_abs = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for p in tl.static_range(PK):
+        q_p = tl.load(q_rows + (offs_jk * PK + p)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        q = q + (q_p,)
+        q_abs = tl.maximum(q_abs, tl.max(tl.abs(q_p), 1))
+    qs = tl.math.div_rn(q_abs, QMAX * 1.0)
     qs = tl.where(qs == 0.0, 1.0, qs)
-    q_hat = tl.minimum(tl.maximum(_rne(tl.math.div_rn(q, qs[:, None])), -QMAX * 1.0), QMAX * 1.0).to(tl.int8)
+    q_hat = ()
+    for p in tl.static_range(PK):
+        q_p = tl.minimum(tl.maximum(_rne(tl.math.div_rn(q[p], qs[:, None])), -QMAX * 1.0), QMAX * 1.0)
+        q_hat = q_hat + (q_p.to(tl.float16),)
 
     nk = T * BLOCK_N + NB
     diag = qi + nk - NQ  # query i sees keys j <= i + N − Nq
@@ -143,50 +196,79 @@ def _turbo_decode_kernel(
     vc_base = VC_ptr + v_off + b.to(tl.int64) * stride_vcb
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = ()
+    for p in tl.static_range(PV):
+        acc = acc + (tl.zeros([BLOCK_M, HEAD_DIM // PV], dtype=tl.float32),)
     lo = pid_s * BLOCKS_PER_SPLIT
     hi = tl.minimum(lo + BLOCKS_PER_SPLIT, T)
     for t in range(lo, hi):
         rows = t * BLOCK_N + offs_n
-        sz = (bh * T + t).to(tl.int64) * HEAD_DIM + offs_d
-        k = _unpack(kc_base, rows, stride_kcn, HEAD_DIM, BITS_K)
-        k = (k + tl.load(KZ_ptr + sz)[None, :]) * tl.load(KS_ptr + sz)[None, :]
-        if BITS_K == 2:  # a 2-bit block can decode past ±127 (4-bit cannot): saturate as the reference
-            k = tl.minimum(tl.maximum(k, -127), 127)
-        v = _unpack(vc_base, rows, stride_vcn, HEAD_DIM, BITS_V)
-        v_sint = tl.load(VS_ptr + sz).to(tl.int32)
-        v_zint = tl.load(VZ_ptr + sz).to(tl.int32)
-        if BITS_V == 2:
-            v = tl.minimum(tl.maximum((v + v_zint[None, :]) * v_sint[None, :], -127), 127)
+        sz = (bh * T + t).to(tl.int64) * HEAD_DIM
+        pk = tl.load(kc_base + rows[:, None] * stride_kcn + offs_jk[None, :])
+        pv = tl.load(vc_base + rows[:, None] * stride_vcn + offs_jv[None, :])
+        ks = _channel_parts(KS_ptr + sz, HEAD_DIM, PK)
+        kz = _channel_parts(KZ_ptr + sz, HEAD_DIM, PK)
+        s_int = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for p in tl.static_range(PK):
+            x = _codes(pk, p, BITS_K)
+            if BITS_K == 4:  # Q̂·K̂ᵀ = (Q̂ ⊙ s^int)·(X^{q2} + z^int)ᵀ: s^int goes to Q's side, no clamp on 4-bit blocks
+                k = x.to(tl.float16) + kz[p].to(tl.float16)[None, :]
+                s_int = tl.dot(q_hat[p] * ks[p].to(tl.float16)[None, :], tl.trans(k), s_int)
+            else:
+                s_int = tl.dot(q_hat[p], tl.trans(_dequant(x, kz[p], ks[p], BITS_K)), s_int)
         keep = row_ok[:, None]
         if CAUSAL:
             keep = keep & (rows[None, :] <= diag[:, None])
-        acc, l_i, m_i = _attend(
-            acc, l_i, m_i, q_hat, qs, k.to(tl.int8), tl.load(KBS_ptr + bh * T + t), v.to(tl.int8), v_sint, v_zint,
-            tl.load(VBS_ptr + bh * T + t), keep, sm_scale, G_PAD, NQ_PAD, PMAX, BITS_V == 4,
+        p_hat, p_scale, alpha, l_i, m_i = _softmax(
+            s_int, qs * tl.load(KBS_ptr + bh * T + t), keep, m_i, l_i, sm_scale,
+            G_PAD, NQ_PAD, PMAX, MASK,
         )
+        v_scale = tl.load(VBS_ptr + bh * T + t)
+        p_sum = tl.sum(p_hat.to(tl.float32), 1)
+        vs = _channel_parts(VS_ptr + sz, HEAD_DIM, PV)
+        vz = _channel_parts(VZ_ptr + sz, HEAD_DIM, PV)
+        new = ()
+        for p in tl.static_range(PV):
+            x = _codes(pv, p, BITS_V)
+            if BITS_V == 4:  # P̂·V̂ = (P̂·X^{q2} + z^int · rowsum P̂) ⊙ s^int (no clamp acts on 4-bit blocks)
+                r = tl.math.fma(vz[p].to(tl.float32)[None, :], p_sum[:, None], tl.dot(p_hat, x.to(tl.float16)))
+                r = r * vs[p].to(tl.float32)[None, :]
+            else:
+                r = tl.dot(p_hat, _dequant(x, vz[p], vs[p], BITS_V))
+            new = new + (_accumulate(acc[p], r, alpha, p_scale, v_scale),)
+        acc = new
     if (pid_s == NUM_SPLITS - 1) & (NB > 0):  # the INT8 buffer: the newest keys, universal scale per head
-        buf = bh.to(tl.int64) * NB * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+        buf = bh.to(tl.int64) * NB * HEAD_DIM + offs_n[:, None] * HEAD_DIM
         in_buf = offs_n[:, None] < NB
-        kb = tl.load(KB_ptr + buf, mask=in_buf, other=0)
-        vb = tl.load(VB_ptr + buf, mask=in_buf, other=0)
+        s_int = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for p in tl.static_range(PK):
+            kb = tl.load(KB_ptr + buf + (offs_jk * PK + p)[None, :], mask=in_buf, other=0)
+            s_int = tl.dot(q_hat[p], tl.trans(kb.to(tl.float16)), s_int)
         keep = row_ok[:, None] & (offs_n[None, :] < NB)
         if CAUSAL:
             keep = keep & ((T * BLOCK_N + offs_n)[None, :] <= diag[:, None])
-        acc, l_i, m_i = _attend(
-            acc, l_i, m_i, q_hat, qs, kb, tl.load(KBSC_ptr + bh), vb, 0, 0, tl.load(VBSC_ptr + bh), keep, sm_scale,
-            G_PAD, NQ_PAD, PMAX, False,
+        p_hat, p_scale, alpha, l_i, m_i = _softmax(
+            s_int, qs * tl.load(KBSC_ptr + bh), keep, m_i, l_i, sm_scale, G_PAD, NQ_PAD, PMAX, True,
         )
-    if DIRECT:
-        empty = l_i == 0.0
-        out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
-        o_ptrs = O_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + g)[:, None] * stride_oh + qi[:, None] * stride_om
-        tl.store(o_ptrs + offs_d[None, :], out.to(O_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        part = ((b * HKV * GROUP + h * GROUP + g) * NQ + qi).to(tl.int64) * NUM_SPLITS + pid_s  # (B, H, Nq, S)
+        v_scale = tl.load(VBSC_ptr + bh)
+        new = ()
+        for p in tl.static_range(PV):
+            vb = tl.load(VB_ptr + buf + (offs_jv * PV + p)[None, :], mask=in_buf, other=0)
+            new = new + (_accumulate(acc[p], tl.dot(p_hat, vb.to(tl.float16)), alpha, p_scale, v_scale),)
+        acc = new
+    part = ((b * HKV * GROUP + h * GROUP + g) * NQ + qi).to(tl.int64) * NUM_SPLITS + pid_s  # (B, H, Nq, S)
+    if not DIRECT:
         tl.store(MP_ptr + part, m_i, mask=row_ok)
         tl.store(LP_ptr + part, l_i, mask=row_ok)
-        tl.store(ACC_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+    empty = l_i == 0.0
+    o_rows = O_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + g)[:, None] * stride_oh + qi[:, None] * stride_om
+    for p in tl.static_range(PV):
+        cols = (offs_jv * PV + p)[None, :]
+        if DIRECT:
+            out = tl.where(empty[:, None], 0.0, acc[p] / tl.where(empty, 1.0, l_i)[:, None])
+            tl.store(o_rows + cols, out.to(O_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            tl.store(ACC_ptr + part[:, None] * HEAD_DIM + cols, acc[p], mask=row_ok[:, None])
 
 
 @triton.jit
@@ -331,7 +413,7 @@ def turbo_decode_attention_op(
             m_part, l_part, acc_part,
             nq, t, nb, hkv, len(heads), per_split, splits, sm_scale,
             HEAD_DIM=d, BLOCK_N=64, GROUP=group, G_PAD=g_pad, NQ_PAD=nq_pad, BITS_K=kw, BITS_V=vw,
-            CAUSAL=is_causal and nq > 1, DIRECT=direct, QMAX=qk_qmax, PMAX=pv_qmax,
+            CAUSAL=is_causal and nq > 1, ROW_MASK=nq < nq_pad, DIRECT=direct, QMAX=qk_qmax, PMAX=pv_qmax,
             num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
         )
     if not direct:
