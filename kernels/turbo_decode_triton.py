@@ -64,9 +64,9 @@ from .turbo_ref import CompressedKV, Int8Buffer, decode_attention_config
 HEAD_DIMS = (64, 128)
 MAX_Q_LEN = 16
 MAX_ROWS = 128  # G_PAD · NQ_PAD rows of one program
-PROGRAMS_PER_SM = 4  # split the sequence until the grid has about this many programs per SM
+PROGRAMS_PER_SM = 16  # split the sequence until the grid has about this many programs per SM
 MIN_BLOCKS_PER_SPLIT = 4  # ≥ 256 keys per split: the partial (m, ℓ, acc) written stays small next to the codes read
-NUM_WARPS, NUM_STAGES = 4, 2  # launch of the decode kernel
+NUM_WARPS, NUM_STAGES = 2, 2  # launch of the decode kernel (the B=8, N=32k sweep on an H200: bench_decode NOTES.md)
 
 
 # --------------------------------------------------------------------------- jit helpers
