@@ -3,10 +3,11 @@
 Llama-3-8B projection shapes (K → N: 4096 → 4096, 4096 → 14336, 14336 → 4096) at M ∈ {1, 16, 128,
 1024, 4096} tokens, bf16 activations, no bias:
 
-* ``w4a8 e2e``: ``W4A8Linear(x)`` from bf16, i.e. the activation-quantization kernel then the
-  GEMM (the module's CUDA path; on the CPU, the PyTorch reference);
-* ``w4a8 gemm``: ``quantpatch::w4a8_gemm`` on pre-quantized activations; ``w4a8 quant``: the
-  activation quantization alone;
+* ``w4a8 e2e``: ``W4A8Linear(x)`` from bf16, i.e. one ``quantpatch::w4a8_linear`` op: the
+  activation-quantization kernel then the GEMM (the module's CUDA path; on the CPU, the PyTorch
+  reference);
+* ``w4a8 gemm``: :func:`~quantpatch.kernels.w4a8_triton.w4a8_gemm` on pre-quantized activations
+  (the decode kernel for M ≤ 16, else the tiled one); ``w4a8 quant``: the activation quantization alone;
 * ``bf16``: ``torch.nn.functional.linear``;
 * ``fp8-tensor`` / ``fp8-rowwise``: ``torch._scaled_mm`` on pre-quantized FP8 e4m3 operands with
   per-tensor scales / per-token × per-channel fp32 scales (GEMM only: the quantization of x is
@@ -14,11 +15,15 @@ Llama-3-8B projection shapes (K → N: 4096 → 4096, 4096 → 14336, 14336 → 
 
 Times are medians of ``triton.testing.do_bench`` (the shared harness of ``bench_attention``,
 which flushes L2 between calls, so weights come from HBM as in a model's forward pass), cycling
-over several input sets; TFLOPS = 2·M·N·K / t. Ratios are the baselines' times over each row's
-time in the same run (> 1: faster than the baseline). Accuracy: relative L1 against the bf16
+over several input sets; TFLOPS = 2·M·N·K / t. Each implementation is timed twice (``mode``):
+``eager``, the Python call as is (host overhead included where the GPU waits for it), and
+``graph``, the same call captured once per input set in a CUDA graph and replayed (as a decode
+server runs; launch overhead gone). Ratios are the baselines' times over each row's time, same
+run and same mode (> 1: faster than the baseline). Accuracy: relative L1 against the bf16
 ``F.linear`` output on the same inputs (M = ``--acc-m`` tokens of N(0, 1), weights N(0, 0.02²)).
-``--tune`` times the GEMM's tile configurations instead (``tune.csv``, and ``best_table.json``:
-the best configuration per M bucket, which ``--configs`` runs with). ``--device cpu`` (with
+``--tune`` times the GEMM's configurations instead (decode kernel for M ≤ 16, tiled above;
+``tune.csv``, and ``best_table.json``: the best configuration per M bucket, which ``--configs``
+runs with). ``--device cpu`` (with
 ``--quick``) is a smoke run of the whole pipeline with a wall-clock timer.
 
 Writes ``speed.csv``, ``accuracy.csv``, ``bench.json`` (GPU, versions, commit, config, rows),
@@ -120,48 +125,65 @@ def _timer(device: torch.device) -> Callable:
     return bench if device.type == "cuda" else cpu_time
 
 
+def graph_replays(fn: Callable[[int], object], n_sets: int) -> Callable[[int], object]:
+    """``fn(i)`` captured once per input set in a CUDA graph (after an eager warm-up); returns ``i ↦ replay``."""
+    for i in range(n_sets):
+        fn(i)
+    torch.cuda.synchronize()
+    graphs = []
+    for i in range(n_sets):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(i)
+        graphs.append(graph)
+    return lambda i: graphs[i].replay()
+
+
 def speed_rows(args) -> list[dict]:
     rows = []
     time_fn = _timer(args.device)
     kernels = args.device.type == "cuda"
+    modes = ("eager", "graph") if kernels else ("eager",)
     if kernels:
         from quantpatch.kernels import w4a8_triton as wt
-    for (k, n), m in itertools.product(args.shapes, args.tokens):
+    for m, (k, n) in itertools.product(args.tokens, args.shapes):  # small M first: a time-boxed run keeps decode
         layer = Layer(k, n, args.device, seed=k + n)
         n_sets = max(1, min(4, L2_ROTATE_BYTES // (m * k * 2 + n * k * 2)))
         xs = _inputs(m, k, n_sets, args.device, seed=m)
         fl = 2.0 * m * n * k
         shape_rows = []
 
-        def add(impl, ms):
-            shape_rows.append(dict(k=k, n=n, m=m, impl=impl, ms=ms, tflops=fl / (ms * 1e-3) / 1e12))
-
         def timed(impl, fn):
-            try:
-                fn(0)
-                add(impl, time_fn(fn, n_sets, args.warmup, args.rep))
-            except RuntimeError as err:  # a baseline that cannot take the shape
-                logger.warning("%s failed at M=%d K=%d N=%d: %s", impl, m, k, n, err)
+            for mode in modes:
+                try:
+                    run = graph_replays(fn, n_sets) if mode == "graph" else fn
+                    run(0)
+                    ms = time_fn(run, n_sets, args.warmup, args.rep)
+                except RuntimeError as err:  # a baseline that cannot take the shape
+                    logger.warning("%s (%s) failed at M=%d K=%d N=%d: %s", impl, mode, m, k, n, err)
+                    continue
+                shape_rows.append(dict(k=k, n=n, m=m, impl=impl, mode=mode, ms=ms, tflops=fl / (ms * 1e-3) / 1e12))
 
         timed("bf16", lambda i: torch.nn.functional.linear(xs[i], layer.weight))
         fp8 = [layer.fp8_operands(x) for x in xs]
         for kind in ("tensor", "rowwise"):
             timed(f"fp8-{kind}", lambda i, kind=kind: layer.scaled_mm(kind, *fp8[i][kind]))
-        fp8 = None
         timed("w4a8 e2e", lambda i: layer.w4a8(xs[i]))
         if kernels:
-            quant = [wt.quantize_activation_op(x) for x in xs]
+            quant = [wt.quantize_activation_fp8(x) for x in xs]
             args_w = layer.w4a8_args()
-            timed("w4a8 gemm", lambda i: wt.w4a8_gemm_op(*quant[i], *args_w, torch.bfloat16))
-            timed("w4a8 quant", lambda i: wt.quantize_activation_op(xs[i]))
-        base = {r["impl"]: r["ms"] for r in shape_rows if r["impl"] in BASELINES}
+            timed("w4a8 gemm", lambda i: wt.w4a8_gemm(*quant[i], *args_w, torch.bfloat16))
+            timed("w4a8 quant", lambda i: wt.quantize_activation_fp8(xs[i]))
+        base = {(r["impl"], r["mode"]): r["ms"] for r in shape_rows if r["impl"] in BASELINES}
         for r in shape_rows:
             for b in BASELINES:
-                r[f"vs_{b}"] = base[b] / r["ms"] if b in base and r["impl"] != "w4a8 quant" else ""
-            print(f"K={k:5d} N={n:5d} M={m:4d} {r['impl']:>11s} {r['ms']:8.4f} ms {r['tflops']:7.1f} TFLOPS  "
-                  + "  ".join(f"x{r[f'vs_{b}'] or 0:5.2f} {b}" for b in BASELINES), flush=True)
+                b_ms = base.get((b, r["mode"]))
+                r[f"vs_{b}"] = b_ms / r["ms"] if b_ms is not None and r["impl"] != "w4a8 quant" else ""
+            print(f"K={k:5d} N={n:5d} M={m:4d} {r['impl']:>11s} {r['mode']:>5s} {r['ms']:8.4f} ms "
+                  f"{r['tflops']:7.1f} TFLOPS  " + "  ".join(f"x{r[f'vs_{b}'] or 0:5.2f} {b}" for b in BASELINES),
+                  flush=True)
         rows += shape_rows
-        layer = xs = quant = None
+        layer = xs = quant = fp8 = None
         if kernels:
             torch.cuda.empty_cache()
     return rows
@@ -189,17 +211,17 @@ def accuracy_rows(args) -> list[dict]:
     return rows
 
 
-def tune_candidates() -> list[dict]:
-    """Tile configurations timed by ``--tune``: decode-sized (BLOCK_M = 16, split-K, swapped operands) and larger."""
-    cands = []
-    for bn, split in itertools.product((32, 64, 128), (1, 2, 4, 8)):
-        for swap in (False, True) if bn >= 64 else (False,):
-            cands.append(dict(block_m=16, block_n=bn, split_k=split, swap_ab=swap, num_warps=4, num_stages=4))
-    for bm, bn, warps in ((64, 64, 4), (64, 128, 4), (64, 256, 8), (128, 64, 4), (128, 128, 4), (128, 128, 8),
-                          (128, 256, 8)):
-        for stages in (3, 4):
-            cands.append(dict(block_m=bm, block_n=bn, split_k=1, swap_ab=False, num_warps=warps, num_stages=stages))
-    return cands
+def tune_candidates(m: int) -> list[dict]:
+    """``GEMM_CONFIGS`` entries timed by ``--tune`` at ``m`` tokens: the decode kernel (M ≤ 16) or FP8 tiles."""
+    from quantpatch.kernels import w4a8_triton as wt
+
+    if m <= wt.DECODE_BLOCK_M:
+        return [dict(kernel="decode", block_n=bn, programs=p, num_warps=w, num_stages=st)
+                for bn, p, w, st in itertools.product((32, 64, 128, 256), (512, 1024), (2, 4, 8), (3,))]
+    return [dict(kernel="tiled", block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+            for bm, bn, w in ((64, 64, 4), (64, 128, 4), (64, 256, 8), (128, 64, 4), (128, 128, 4), (128, 128, 8),
+                              (128, 256, 8))
+            for st in (3, 4)]
 
 
 TABLE_BUCKETS = (16, 256, None)  # the max-M rows of ``w4a8_triton.GEMM_CONFIGS``
@@ -208,7 +230,6 @@ TABLE_BUCKETS = (16, 256, None)  # the max-M rows of ``w4a8_triton.GEMM_CONFIGS`
 def best_table(rows: list[dict]) -> list:
     """``GEMM_CONFIGS`` rows from a sweep: per M bucket, the configuration with the least geometric mean of
     (its time / the best time) over the bucket's (shape, M) points (only configurations timed at all of them)."""
-    cfg_keys = ("block_m", "block_n", "split_k", "swap_ab", "num_warps", "num_stages")
     table, lo = [], 0
     for hi in TABLE_BUCKETS:
         pts = {(r["k"], r["n"], r["m"]) for r in rows if r["m"] > lo and (hi is None or r["m"] <= hi)}
@@ -220,10 +241,10 @@ def best_table(rows: list[dict]) -> list:
         for r in rows:
             p = (r["k"], r["n"], r["m"])
             if p in pts:
-                score.setdefault(tuple(r[c] for c in cfg_keys), []).append(math.log(r["ms"] / best_ms[p]))
+                score.setdefault(r["config"], []).append(math.log(r["ms"] / best_ms[p]))
         full = {c: sum(v) / len(v) for c, v in score.items() if len(v) == len(pts)}
         if full:
-            table.append([hi, dict(zip(cfg_keys, min(full, key=full.get)))])
+            table.append([hi, json.loads(min(full, key=full.get))])
     return table
 
 
@@ -234,19 +255,17 @@ def tune_rows(args) -> list[dict]:
     for (k, n), m in itertools.product(args.shapes, args.tokens):
         layer = Layer(k, n, args.device, seed=k + n)
         x = _inputs(m, k, 1, args.device, seed=m)[0]
-        x_hat, beta = wt.quantize_activation_op(x)
+        x_hat, beta = wt.quantize_activation_fp8(x)
         bf16_ms = bench(lambda i: torch.nn.functional.linear(x, layer.weight), 1, args.warmup, args.rep)
         best = None
-        for cfg in tune_candidates():
-            if (m > 64 and cfg["block_m"] == 16) or (m <= 16 and cfg["block_m"] > 64):
-                continue
+        for cfg in tune_candidates(m):
             try:
                 ms = bench(lambda i, c=cfg: wt.w4a8_gemm(x_hat, beta, *layer.w4a8_args(), torch.bfloat16, config=c),
                            1, args.warmup, args.rep)
             except Exception as err:  # a configuration the compiler rejects (resources, ...)
                 print(f"tune K={k} N={n} M={m} {cfg}: failed: {type(err).__name__}: {str(err)[:160]}")
                 continue
-            rows.append(dict(k=k, n=n, m=m, **cfg, ms=ms, vs_bf16=bf16_ms / ms))
+            rows.append(dict(k=k, n=n, m=m, config=json.dumps(cfg, sort_keys=True), ms=ms, vs_bf16=bf16_ms / ms))
             if best is None or ms < best["ms"]:
                 best = rows[-1]
         print(f"tune K={k} N={n} M={m} bf16 {bf16_ms:.4f} ms; best {best}", flush=True)
@@ -268,10 +287,10 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
     for ax, (k, n) in zip(axes[0], shapes):
         sel = [r for r in rows if (r["k"], r["n"]) == (k, n) and r["impl"] != "w4a8 quant"]
-        for impl in sorted({r["impl"] for r in sel}):
-            pts = sorted((r["m"], r["tflops"]) for r in sel if r["impl"] == impl)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if impl in BASELINES else "-", marker="o", ms=3,
-                    label=impl)
+        for impl, mode in sorted({(r["impl"], r["mode"]) for r in sel}):
+            pts = sorted((r["m"], r["tflops"]) for r in sel if (r["impl"], r["mode"]) == (impl, mode))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if impl in BASELINES else "-",
+                    marker="o" if mode == "eager" else "x", ms=3, label=f"{impl} ({mode})")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("tokens M")
@@ -289,12 +308,12 @@ def summary_md(meta: dict, speed: list[dict], acc: list[dict]) -> str:
              f"torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, commit {meta['git_sha']}, "
              f"{meta['date']}", "", f"Command: `{meta['command']}`", ""]
     if speed:
-        lines += ["| K | N | M | impl | ms | TFLOPS | × bf16 | × fp8-tensor | × fp8-rowwise |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for r in speed:
+        lines += ["| K | N | M | impl | mode | ms | TFLOPS | × bf16 | × fp8-tensor | × fp8-rowwise |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(speed, key=lambda r: (r["k"], r["n"], r["m"])):
             ratios = " | ".join(f"{r[f'vs_{b}']:.2f}" if r[f"vs_{b}"] != "" else "" for b in BASELINES)
-            lines.append(f"| {r['k']} | {r['n']} | {r['m']} | {r['impl']} | {r['ms']:.4f} | {r['tflops']:.1f} | "
-                         f"{ratios} |")
+            lines.append(f"| {r['k']} | {r['n']} | {r['m']} | {r['impl']} | {r['mode']} | {r['ms']:.4f} | "
+                         f"{r['tflops']:.1f} | {ratios} |")
     if acc:
         lines += ["", "| K | N | M | impl | rel-L1 vs bf16 | weight bytes × smaller than bf16 |",
                   "|---|---|---|---|---|---|"]
@@ -317,7 +336,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-accuracy", action="store_true")
     p.add_argument("--quick", action="store_true", help="CPU: one 256x384 shape at M in {1, 16}, 3 calls")
     p.add_argument("--tune", action="store_true", help="time GEMM tile configurations instead (GEMM only)")
-    p.add_argument("--configs", type=Path, help="a GEMM_CONFIGS table (best_table.json of --tune) to run with")
+    p.add_argument("--configs", type=Path, help="GEMM_CONFIGS rows (best_table.json of --tune) to run with")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
     args.shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
@@ -336,7 +355,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.configs is not None:
         from quantpatch.kernels import w4a8_triton as wt
 
-        wt.GEMM_CONFIGS = tuple((max_m, cfg) for max_m, cfg in json.loads(args.configs.read_text()))
+        tuned = {max_m: cfg for max_m, cfg in json.loads(args.configs.read_text())}  # rows it has replace the table's
+        wt.GEMM_CONFIGS = tuple((max_m, tuned.get(max_m, cfg)) for max_m, cfg in wt.GEMM_CONFIGS)
     meta = environment_info(args.device, REPO_ROOT)
     meta["config"] = {k: (str(v) if isinstance(v, (Path, torch.device)) else v) for k, v in vars(args).items()}
     print(json.dumps({k: v for k, v in meta.items() if k != "config"}), flush=True)

@@ -44,12 +44,22 @@ def test_outputs_written(quick_run):
 def test_every_implementation_timed_with_ratios(quick_run):
     _, out = quick_run
     rows = _read_csv(out / "speed.csv")
-    assert {(r["m"], r["impl"]) for r in rows} == {(m, i) for m in ("1", "16")
-                                                   for i in ("bf16", "fp8-tensor", "fp8-rowwise", "w4a8 e2e")}
+    assert {(r["m"], r["impl"], r["mode"]) for r in rows} == {
+        (m, i, "eager") for m in ("1", "16") for i in ("bf16", "fp8-tensor", "fp8-rowwise", "w4a8 e2e")}  # no graphs
     for r in rows:
         assert float(r["ms"]) > 0 and float(r["vs_bf16"]) > 0
         if r["impl"] == "bf16":
             assert float(r["vs_bf16"]) == 1.0
+
+
+def test_tune_table_picks_the_best_geometric_mean_per_bucket():
+    spec = importlib.util.spec_from_file_location(MODULE_NAME + "_tune", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    a, b = '{"kernel": "decode", "programs": 512}', '{"kernel": "decode", "programs": 1024}'
+    rows = [dict(k=1, n=1, m=1, config=a, ms=1.0), dict(k=1, n=1, m=1, config=b, ms=2.0),
+            dict(k=2, n=2, m=16, config=a, ms=3.0), dict(k=2, n=2, m=16, config=b, ms=1.0)]  # a 3× off at M=16, b 2×: b
+    assert module.best_table(rows) == [[16, {"kernel": "decode", "programs": 1024}]]
 
 
 def test_accuracy_orders_int4_below_fp8_weights(quick_run):

@@ -15,7 +15,9 @@ Bounds (no tuned numbers):
   roundings to the output dtype. ``γ`` bounds one group's 128-term dot: ``127 u`` in fp32 (CPU and
   interpreter); on Hopper the FP8 MMA accumulates in a register of ≈ 13 mantissa bits that
   truncates (SageAttention2 §3.4, measured FP22), bounded here by 8 truncations (4 K-steps of 32,
-  alignment and sum) of ≤ 2⁻¹² of the running magnitude each: ``γ_gpu = 2⁻⁹``.
+  alignment and sum) of ≤ 2⁻¹² of the running magnitude each: ``γ_gpu = 2⁻⁹``. The decode kernel
+  (M ≤ 16) sums a group as two 64-term fp16-operand dots (even, then odd channels) into fp32: only
+  the order differs, inside the same bound; its split-K runs are added in a fixed order.
 """
 
 from __future__ import annotations
@@ -88,8 +90,9 @@ def _check_gemm(m, n, k, *, seed, dtype, pts=True, bias=True, config=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m,k", [(1, 128), (5, 300), (3, 2500)])  # 2500 > ACT_BLOCK_K: two chunks per pass
-def test_activation_quantization_bit_exact(dtype, m, k):
+@pytest.mark.parametrize("m,k", [(1, 128), (5, 300), (3, 2500)])  # 2500 > the 1024 chunk: three chunks per pass
+def test_activation_quantization_bit_exact(dtype, m, k, monkeypatch):
+    monkeypatch.setattr(wt, "ACT_BLOCK_K", 1024)  # the long-row path (two passes) on a small row
     x = _randn(m, k, seed=m + k, scale=3.0)
     x[0, :7] = torch.tensor([1e4, -1e4, 0.3, -0.3, 1e-3, 448.0, -449.0])  # an outlier channel, saturation edge
     if m > 1:
@@ -117,7 +120,7 @@ def test_activation_quantization_rounds_scale_and_values_to_nearest_even():
 # --------------------------------------------------------------------------- GEMM
 
 
-@pytest.mark.parametrize("m", [1, 5, 33])
+@pytest.mark.parametrize("m", [1, 5, 16, 33])  # the decode kernel up to 16 tokens, then the tiled one
 @pytest.mark.parametrize("pts,bias", [(True, True), (False, False)])
 def test_gemm_matches_reference(m, pts, bias):
     _check_gemm(m, 67, 384, seed=m, dtype=torch.float32, pts=pts, bias=bias)
@@ -130,16 +133,40 @@ def test_gemm_output_dtypes(dtype):
 
 @pytest.mark.parametrize("row", range(len(wt.GEMM_CONFIGS)))
 def test_gemm_every_configuration_of_the_table(row):
-    """Each tile configuration (split-K with its epilogue kernel, swapped operands) on a shape with tails in M and N."""
-    cfg = dict(wt.GEMM_CONFIGS[row][1], num_stages=1)
-    cfg["split_k"] = min(cfg["split_k"], 3)  # 5 groups in runs of 2, 2, 1: a short last run
-    _check_gemm(17, 67, 5 * GROUP_SIZE, seed=10 + row, dtype=torch.float32, config=cfg)
+    """Each row's configuration on a shape with tails in M (up to its max M) and N."""
+    max_m, cfg = wt.GEMM_CONFIGS[row]
+    _check_gemm(max_m or 300, 67, 5 * GROUP_SIZE, seed=10 + row, dtype=torch.float32, config=dict(cfg, num_stages=1))
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("block_n,split", [(16, 1), (32, 3), (64, 5)])
+def test_decode_kernel_split_k(m, block_n, split, monkeypatch):
+    """Split-K runs summed by the last program to arrive: runs of 2, 2, 1 groups (a short last run) or 1 each,
+    an odd N; the tickets are back at 0 afterwards, and a second call gives the same bits."""
+    monkeypatch.setattr(wt, "MIN_GROUPS_PER_SPLIT", 1)
+    n, groups = 67, 5
+    tiles = -(-n // block_n)
+    cfg = dict(kernel="decode", block_n=block_n, programs=tiles * split, num_warps=4, num_stages=1)
+    assert wt.decode_split(cfg, n, groups)[0] == split
+    y = _check_gemm(m, n, groups * GROUP_SIZE, seed=20 + m + split, dtype=torch.bfloat16, config=cfg)
+    if split > 1:
+        assert not wt._SEMAPHORES[y.device].any()
+    again = _check_gemm(m, n, groups * GROUP_SIZE, seed=20 + m + split, dtype=torch.bfloat16, config=cfg)
+    assert torch.equal(y, again)
 
 
 def test_gemm_config_table():
-    assert wt.gemm_config(1, 4096, 4096)["block_m"] == 16 and wt.gemm_config(4096, 4096, 4096)["block_m"] == 128
-    assert wt.gemm_config(1, 4096, 256)["split_k"] == 1  # 2 groups: no split
-    assert wt.gemm_config(1, 4096, 14336)["split_k"] == wt.GEMM_CONFIGS[0][1]["split_k"]
+    assert wt.gemm_config(16, 4096, 4096)["kernel"] == "decode" and wt.gemm_config(17, 4096, 4096)["kernel"] == "tiled"
+    assert wt.gemm_config(4096, 4096, 4096)["block_m"] == 128
+    cfg = dict(kernel="decode", block_n=32, programs=1024, num_warps=4, num_stages=2)
+    assert wt.decode_split(cfg, 4096, 2) == (1, 2)  # 2 groups: no split
+    assert wt.decode_split(cfg, 4096, 32) == (8, 4)  # 128 tiles × 8 runs of 4 groups
+    assert wt.decode_split(cfg, 4096, 112) == (8, 14)
+    assert wt.decode_split(cfg, 14336, 32) == (3, 11)  # 448 tiles: 3 runs (11, 11, 10 groups)
+    with pytest.raises(ValueError, match="M ≤ 16"):
+        wt.w4a8_gemm(torch.zeros(17, 128, dtype=torch.float8_e4m3fn), torch.ones(17, dtype=torch.bfloat16),
+                      torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.float8_e4m3fn),
+                      torch.tensor(0, dtype=torch.int32), config=cfg)
 
 
 def test_gemm_rejects_bad_shapes():
@@ -149,13 +176,15 @@ def test_gemm_rejects_bad_shapes():
                      torch.zeros(4, 2, dtype=torch.float8_e4m3fn), torch.tensor(0, dtype=torch.int32))
 
 
-def test_interpreter_fp8_dot_is_exact_on_e4m3_operands():
-    """What the CPU runs rests on: the interpreter's FP8 dot equals float64 on e4m3 × INT4 operands that fp32 holds."""
+@pytest.mark.parametrize("cfg", [dict(kernel="tiled", block_m=16, block_n=16, num_warps=4, num_stages=1),
+                                 dict(kernel="decode", block_n=16, programs=1, num_warps=4, num_stages=1)])
+def test_interpreter_dots_are_exact_on_e4m3_operands(cfg):
+    """What the CPU runs rests on: the interpreter's FP8 (tiled) and fp16 (decode) dots equal float64 on
+    e4m3 × INT4 operands that fp32 holds."""
     packed, (qw, sc, pe, _) = _layer(16, 128, seed=4, pts=False, bias=False)
     x_hat = (_randn(16, 128, seed=5, scale=20.0).clamp(-448, 448)).to(torch.float8_e4m3fn).to(DEVICE)
     ones = torch.ones(16, dtype=torch.bfloat16, device=DEVICE)
-    y = wt.w4a8_gemm(x_hat, ones, qw, sc, pe, None, torch.float32,
-                     config=dict(block_m=16, block_n=16, split_k=1, swap_ab=False, num_warps=4, num_stages=1))
+    y = wt.w4a8_gemm(x_hat, ones, qw, sc, pe, None, torch.float32, config=cfg)
     q, sigma = unpack_weight(packed, torch.float64)
     expect = (x_hat.cpu().double() @ q.T) * sigma[:, 0]
     if CUDA:  # Hopper's FP8 accumulator is narrower: γ_gpu of the magnitude (module docstring)
@@ -165,15 +194,12 @@ def test_interpreter_fp8_dot_is_exact_on_e4m3_operands():
         assert torch.equal(y.double(), expect.float().double())  # |partial| < 2^24 in integer steps of 2^-9
 
 
-def test_custom_ops_have_consistent_fake_kernels():
-    packed, (qw, sc, pe, b) = _layer(67, 256, seed=6)
-    x = _randn(3, 256, seed=7).to(torch.bfloat16).to(DEVICE)
+@pytest.mark.parametrize("m,dtype,bias", [(3, torch.bfloat16, True), (20, torch.float16, False)])
+def test_custom_op_has_a_consistent_fake_kernel(m, dtype, bias):
+    packed, (qw, sc, pe, b) = _layer(67, 256, seed=6, bias=bias)
+    x = _randn(m, 256, seed=7).to(dtype).to(DEVICE)
     # opcheck's test_schema compares tensors by arithmetic that PyTorch lacks for float8; fake vs real it can check
-    utils = ("test_faketensor",)
-    torch.library.opcheck(wt.quantize_activation_op, (x,), test_utils=utils)
-    x_hat, beta = wt.quantize_activation_op(x)
-    torch.library.opcheck(wt.w4a8_gemm_op, (x_hat, beta, qw, sc, pe, b, torch.bfloat16), test_utils=utils)
-    torch.library.opcheck(wt.w4a8_gemm_op, (x_hat, beta, qw, sc, pe, None, torch.float16), test_utils=utils)
+    torch.library.opcheck(wt.w4a8_linear_op, (x, qw, sc, pe, b), test_utils=("test_faketensor",))
 
 
 # --------------------------------------------------------------------------- W4A8Linear dispatch
@@ -254,6 +280,26 @@ def test_gpu_activation_quantization_bit_exact(k):
     x_hat, beta = wt.quantize_activation_fp8(x.cuda())
     ref_hat, ref_beta = quantize_activation_fp8(x, compute_dtype=torch.float32)
     assert torch.equal(x_hat.cpu().float(), ref_hat) and torch.equal(beta.cpu().float(), ref_beta[:, 0])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_module_under_a_cuda_graph(m):
+    """Capture the layer call once and replay it (as a decode server does): the eager result, bit for bit."""
+    mod = _module(4096, 4096, seed=22)
+    x = _randn(m, 4096, seed=23).to(torch.bfloat16).cuda()
+    eager = mod(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mod(x)
+    for seed in (24, 25):
+        x.copy_(_randn(m, 4096, seed=seed).to(torch.bfloat16))
+        graph.replay()
+        assert torch.equal(out, mod(x))
+    x.copy_(_randn(m, 4096, seed=23).to(torch.bfloat16))
+    graph.replay()
+    assert torch.equal(out, eager)
 
 
 @gpu
