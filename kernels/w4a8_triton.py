@@ -244,7 +244,7 @@ GEMM_CONFIGS = (
 )
 DECODE_BLOCK_M = 16  # the fp16 mma's row count: the decode kernel takes M ≤ 16
 MIN_GROUPS_PER_SPLIT = 4
-_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
+_SEMAPHORES: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def gemm_config(m: int, n: int, k: int) -> dict:
@@ -264,13 +264,15 @@ def decode_split(cfg: dict, n: int, groups: int) -> tuple[int, int]:
 
 
 def _semaphores(device: torch.device, count: int) -> torch.Tensor:
-    """The decode kernel's split-K tickets on ``device``: int32 counters that are 0 between launches.
+    """The decode kernel's split-K tickets for the current stream: int32 counters that are 0 between launches.
 
-    Shared by every launch on the device: launches that overlap on several streams would share them.
+    One set per (device, stream): launches on one stream run one after the other, so they can share
+    counters; launches on two streams may overlap and must not.
     """
-    sem = _SEMAPHORES.get(device)
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)  # CPU: interpreter
+    sem = _SEMAPHORES.get(key)
     if sem is None or sem.numel() < count:
-        sem = _SEMAPHORES[device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        sem = _SEMAPHORES[key] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
     return sem
 
 

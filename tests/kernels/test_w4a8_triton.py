@@ -150,9 +150,20 @@ def test_decode_kernel_split_k(m, block_n, split, monkeypatch):
     assert wt.decode_split(cfg, n, groups)[0] == split
     y = _check_gemm(m, n, groups * GROUP_SIZE, seed=20 + m + split, dtype=torch.bfloat16, config=cfg)
     if split > 1:
-        assert not wt._SEMAPHORES[y.device].any()
+        assert not any(sem.any() for (device, _), sem in wt._SEMAPHORES.items() if device == y.device)
     again = _check_gemm(m, n, groups * GROUP_SIZE, seed=20 + m + split, dtype=torch.bfloat16, config=cfg)
     assert torch.equal(y, again)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+def test_gpu_split_k_tickets_are_per_stream():
+    device = torch.device("cuda", torch.cuda.current_device())
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        on_side = wt._semaphores(device, 8)
+    assert wt._semaphores(device, 8) is not on_side  # overlapping launches on two streams never share tickets
+    assert wt._semaphores(device, 8) is wt._semaphores(device, 8)
 
 
 def test_gemm_config_table():
