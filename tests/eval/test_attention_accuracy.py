@@ -3,27 +3,17 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "eval" / "attention_accuracy.py"
-MODULE_NAME = "_quantpatch_eval_attention_accuracy"
+from quantpatch.cli_commands import load_eval_script
 
 
 @pytest.fixture(scope="module")
 def harness():
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[MODULE_NAME] = module  # dataclasses look their module up in sys.modules
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(MODULE_NAME, None)
+    return load_eval_script("attention_accuracy.py")
 
 
 @pytest.fixture(scope="module")

@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "eval" / "bench_linear.py"
-MODULE_NAME = "_quantpatch_eval_bench_linear"
+from quantpatch.cli_commands import load_eval_script
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     pytest.importorskip("matplotlib")
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[MODULE_NAME] = module
-    try:
-        spec.loader.exec_module(module)
-        out = tmp_path_factory.mktemp("bench_linear")
-        yield module.main(["--quick", "--device", "cpu", "--out", str(out)]), out
-    finally:
-        sys.modules.pop(MODULE_NAME, None)
+    out = tmp_path_factory.mktemp("bench_linear")
+    return load_eval_script("bench_linear.py").main(["--quick", "--device", "cpu", "--out", str(out)]), out
 
 
 def _read_csv(path: Path) -> list[dict]:
@@ -53,9 +43,7 @@ def test_every_implementation_timed_with_ratios(quick_run):
 
 
 def test_tune_table_picks_the_best_geometric_mean_per_bucket():
-    spec = importlib.util.spec_from_file_location(MODULE_NAME + "_tune", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_eval_script("bench_linear.py")
     a, b = '{"kernel": "decode", "programs": 512}', '{"kernel": "decode", "programs": 1024}'
     rows = [dict(k=1, n=1, m=1, config=a, ms=1.0), dict(k=1, n=1, m=1, config=b, ms=2.0),
             dict(k=2, n=2, m=16, config=a, ms=3.0), dict(k=2, n=2, m=16, config=b, ms=1.0)]  # a 3× off at M=16, b 2×: b

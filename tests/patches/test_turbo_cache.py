@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +19,7 @@ from quantpatch.calibration_turbo import (
     priority_from_channel_range,
     random_head_precision,
 )
+from quantpatch.cli_commands import load_eval_script
 from quantpatch.kernels.turbo_ref import (
     head_priority,
     turbo_append_ref,
@@ -475,16 +473,8 @@ def test_pydoc_priority_beats_random_2bit_heads_on_average(pydoc, val_ids, head_
 
 
 def test_bench_decode_runs_on_cpu_at_tiny_sizes(tmp_path):
-    path = Path(__file__).resolve().parents[2] / "eval" / "bench_decode.py"
-    spec = importlib.util.spec_from_file_location("_quantpatch_eval_bench_decode", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        report = module.main(["--device", "cpu", "--batches", "1", "--contexts", "128", "--rep", "1", "--warmup",
-                              "1", "--check", "--out", str(tmp_path)])
-    finally:
-        sys.modules.pop(spec.name, None)
+    argv = ["--device", "cpu", "--batches", "1", "--contexts", "128", "--rep", "1", "--warmup", "1", "--check"]
+    report = load_eval_script("bench_decode.py").main([*argv, "--out", str(tmp_path)])
     rows = {(r["impl"], r["cache"]): r for r in report["speed"]}
     assert rows[("sdpa-bf16", "bf16")]["ms"] > 0 and rows[("turbo-ref", "turbo-4b")]["ms"] > 0
     memory = {r["cache"]: r for r in report["memory"]}
