@@ -72,14 +72,6 @@ READS_TURBO_LAYERS = "_quantpatch_reads_turbo_layers"
 BUFFER_HEADROOM = 1.25  # universal buffer scale = headroom × the prompt's absmax (see the module docstring)
 # The TurboCache whose update ran last in this context (weakly held), for the attention function.
 _ACTIVE_CACHE: contextvars.ContextVar[weakref.ref | None] = contextvars.ContextVar("quantpatch_turbo", default=None)
-# How many TurboCaches are alive: with none, the attention skips the ContextVar lookup, which
-# torch.compile cannot trace (a graph break per attention call).
-_live_caches = 0
-
-
-def _cache_released() -> None:
-    global _live_caches
-    _live_caches -= 1
 
 
 @dataclass(frozen=True)
@@ -454,7 +446,6 @@ class TurboCache(Cache):
         *,
         buffer_headroom: float = BUFFER_HEADROOM,
     ):
-        global _live_caches
         kv = KVCacheConfig(kind="turbo", two_bit_heads=0) if config is None else kv_config_of(config)
         self.kv_config = kv
         self.shape = ModelKVShape.of(model)
@@ -472,8 +463,6 @@ class TurboCache(Cache):
             for i, (k, v) in enumerate(self.head_bits)
         ]
         super().__init__(layers=layers)
-        _live_caches += 1
-        weakref.finalize(self, _cache_released)
 
     def __repr__(self) -> str:
         return f"TurboCache({self.shape.describe()}, {self.get_seq_length()} tokens)"
@@ -527,7 +516,7 @@ def turbo_layer_for(module: Any, key: torch.Tensor) -> TurboLayer | None:
 
     Raises ``ValueError`` when the layer belongs to another model's cache.
     """
-    if not _live_caches:
+    if any(key.stride()):  # not a placeholder (those have stride 0): no ContextVar read, which dynamo cannot trace
         return None
     ref = _ACTIVE_CACHE.get()
     cache = ref() if ref is not None else None
