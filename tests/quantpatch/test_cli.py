@@ -1,5 +1,8 @@
 """The README's first command: ``quantpatch compare`` on embedded inputs."""
 
+import pytest
+
+from quantpatch import cli_commands
 from quantpatch.cli import build_parser, compare
 
 
@@ -21,3 +24,9 @@ def test_console_entry_reads_sys_argv(monkeypatch, capsys):
         assert exit_.code == 0
     out = capsys.readouterr().out
     assert "usage: quantpatch info" in out and "CosSim" not in out
+
+
+def test_eval_scripts_outside_a_source_checkout_give_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(cli_commands, "EVAL_DIR", tmp_path)  # what an installed wheel sees: no eval/ beside it
+    with pytest.raises(SystemExit, match="ship with the source checkout"):
+        cli_commands.load_eval_script("lm_eval_run.py")
