@@ -41,11 +41,9 @@ from quantpatch.kernels.quant_attention_ref import quant_attention_ref
 from quantpatch.metrics import rel_l1
 from quantpatch.modes import get_mode
 from quantpatch.synthetic import attention_inputs
+from tests.gpu import CUDA, DEVICE, needs_cuda
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on the device machine)")
 
 # Tolerance table (see the module docstring for where each number comes from).
 OUT_TOL = {torch.float16: 1e-3, torch.bfloat16: 1.2e-2}

@@ -40,11 +40,9 @@ from quantpatch.kernels.turbo_ref import (
 )
 from quantpatch.metrics import rel_l1
 from quantpatch.synthetic import attention_inputs
+from tests.gpu import DEVICE, needs_cuda
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on the device machine)")
 
 SINGLE_SPLIT_REL_L1 = 1e-6
 SPLIT_NOISE_FACTOR = 1.1

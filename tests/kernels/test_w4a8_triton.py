@@ -35,11 +35,9 @@ from quantpatch.kernels.w4a8_ref import (
     w4a8_linear_ref,
 )
 from quantpatch.w4a8_linear import W4A8Linear
+from tests.gpu import CUDA, DEVICE, needs_cuda
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on the device machine)")
 
 U_FP32 = 2.0**-24
 GAMMA_GROUP = 2.0**-9 if CUDA else (GROUP_SIZE - 1) * U_FP32  # one group's dot (module docstring)
@@ -156,7 +154,7 @@ def test_decode_kernel_split_k(m, block_n, split, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+@needs_cuda
 def test_gpu_split_k_tickets_are_per_stream():
     device = torch.device("cuda", torch.cuda.current_device())
     side = torch.cuda.Stream()

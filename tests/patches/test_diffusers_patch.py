@@ -16,6 +16,7 @@ import quantpatch as qp
 from quantpatch.fallback import reset_fallback_warnings
 from quantpatch.metrics import psnr
 from quantpatch.testing.diffusers_tiny import BUILDERS, tiny_transformer, tiny_wan_pipeline
+from tests.gpu import needs_cuda
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py
 
@@ -239,7 +240,7 @@ def test_patching_a_pipeline_and_its_transformer_raises(no_swaps_left):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+@needs_cuda
 def test_gpu_wan_pipeline_runs_the_kernels(no_swaps_left):
     # head_dim 64 so that the Triton kernels (head dims 64/128) serve the transformer's attention
     pipe, _, embeds, negative = tiny_wan_pipeline(head_dim=64)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import quantpatch as qp
+from tests.gpu import needs_cuda
 
 MODEL = Path(__file__).resolve().parents[3] / "shared" / "models" / "pydoc-llama-21m"
 PROMPTS = [
@@ -21,9 +22,7 @@ pytestmark = pytest.mark.skipif(not MODEL.exists(), reason=f"optional asset miss
 
 DEVICES = [
     pytest.param(("cpu", torch.float32), id="cpu-fp32"),
-    pytest.param(("cuda", torch.bfloat16), id="cuda-bf16", marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")]),
+    pytest.param(("cuda", torch.bfloat16), id="cuda-bf16", marks=[pytest.mark.gpu, needs_cuda]),
 ]
 
 

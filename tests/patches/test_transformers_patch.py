@@ -5,6 +5,7 @@ import torch
 
 import quantpatch as qp
 from quantpatch.fallback import reset_fallback_warnings
+from tests.gpu import needs_cuda
 from tests.patches.conftest import tiny_model
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2", "gpt_neox", "bert"]
@@ -135,11 +136,8 @@ def _compiled_logits(model, ids):
     return out, sum(counters["graph_break"].values())
 
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
-
-
 @pytest.mark.gpu
-@gpu
+@needs_cuda
 def test_gpu_patched_llama_runs_under_torch_compile():
     model, ids = _tiny_cuda_llama()
     with qp.patch_model(model, "sage2-8b") as handle:
@@ -151,7 +149,7 @@ def test_gpu_patched_llama_runs_under_torch_compile():
 
 
 @pytest.mark.gpu
-@gpu
+@needs_cuda
 def test_gpu_patched_llama_compiles_through_the_kernels_without_extra_graph_breaks():
     model, ids = _tiny_cuda_llama()
     _, base_breaks = _compiled_logits(model, ids)

@@ -20,6 +20,7 @@ from quantpatch.kernels.w4a8_ref import (
 )
 from quantpatch.metrics import cos_sim
 from quantpatch.w4a8_linear import W4A8Linear, register_w4a8_fast_path, w4a8_matmul
+from tests.gpu import needs_cuda
 
 # W4A8 on randn weights/activations, group 128: INT4 gives SQNR ≈ 20 dB (σ = absmax/7 over a
 # 128-group of N(0,1) ≈ 0.39, error std σ/√12) → CosSim ≈ 0.995; FP8 activations add < 0.001.
@@ -209,7 +210,7 @@ def test_bad_arguments_raise():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+@needs_cuda
 def test_gpu_module_runs_the_triton_kernels():
     from quantpatch.fallback import SiteRecord, running_site
 

@@ -1,0 +1,8 @@
+"""The one CUDA check of the test suite: GPU tests skip, saying why, where no CUDA device is present."""
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on the device machine)")
