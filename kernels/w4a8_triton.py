@@ -65,19 +65,12 @@ def _bf16_rne(x):
 
 
 @triton.jit
-def _w4a8_quantize_activation_kernel(
-    X_ptr, XQ_ptr, S_ptr,
-    K, stride_xm, stride_qm,
-    BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
-):
-    """Token ``m``: ``β = bf16(max|x| / 448)`` (1 if 0), ``x̂ = e4m3(x / β)`` (saturating, RNE).
+def _quantize_row(x_row, q_row, s_ptr, K, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+    """One token: ``β = bf16(max|x| / 448)`` (1 if 0), ``x̂ = e4m3(x / β)`` (saturating, RNE).
 
     A row of ``K ≤ BLOCK_K`` is loaded once and quantized from registers; a longer one in two passes.
     """
-    m = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
-    x_row = X_ptr + m * stride_xm
-    q_row = XQ_ptr + m * stride_qm
     x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
     amax = tl.abs(x)
     for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -91,7 +84,18 @@ def _w4a8_quantize_activation_kernel(
         mask = k0 + offs < K
         x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(q_row + k0 + offs, _to_fp8e4m3(tl.math.div_rn(x, beta), EMULATE), mask=mask)
-    tl.store(S_ptr + m, beta.to(tl.bfloat16))  # exact: beta is on the bf16 grid
+    tl.store(s_ptr, beta.to(tl.bfloat16))  # exact: beta is on the bf16 grid
+
+
+@triton.jit
+def _w4a8_quantize_activation_kernel(
+    X_ptr, XQ_ptr, S_ptr,
+    K, stride_xm, stride_qm,
+    BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """Token ``m = program_id``: :func:`_quantize_row`."""
+    m = tl.program_id(0).to(tl.int64)
+    _quantize_row(X_ptr + m * stride_xm, XQ_ptr + m * stride_qm, S_ptr + m, K, BLOCK_K, EMULATE)
 
 
 def quantize_activation_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,23 +123,41 @@ def quantize_activation_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 @triton.jit
+def _int4_nibbles_fp16(wb):
+    """Packed bytes (uint8) → (low, high) nibbles as fp16 integers −8…7, by bit tricks, no int→float convert.
+
+    ``(v ^ 8) | 0x6400`` is the fp16 ``1024 + (v + 8)``: the nibble, moved to offset binary, in the mantissa
+    of 2¹⁰; subtracting 1032 is exact in fp16 (integers below 2048).
+    """
+    b = wb.to(tl.int16)  # zero-extends the unsigned byte
+    magic = tl.full((), 1032.0, tl.float16)
+    lo = (((b & 0xF) ^ 0x8) | 0x6400).to(tl.float16, bitcast=True) - magic
+    hi = (((b >> 4) ^ 0x8) | 0x6400).to(tl.float16, bitcast=True) - magic
+    return lo, hi
+
+
+@triton.jit
 def _unpack_int4_fp8(wb, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     """``uint8 [BLOCK_N, GROUP/2]`` → e4m3 ``[BLOCK_N, GROUP]``: low nibble = even channel, high = odd."""
-    s = wb.to(tl.int8, bitcast=True)
-    lo = (s << 4) >> 4  # arithmetic shifts sign-extend the 4-bit two's complement
-    hi = s >> 4
+    lo, hi = _int4_nibbles_fp16(wb)
     w = tl.reshape(tl.join(lo, hi), [BLOCK_N, GROUP])  # [n, c, 0] = channel 2c, [n, c, 1] = 2c + 1
-    return w.to(tl.float16).to(tl.float8e4nv)  # −8…7: exact in fp16 and in e4m3
+    return w.to(tl.float8e4nv)  # −8…7: exact in e4m3
 
 
 @triton.jit
 def _w4a8_gemm_kernel(
-    A_ptr, AS_ptr, W_ptr, WS_ptr, B_ptr, PTS_ptr, Y_ptr,
+    A_ptr, AP_ptr, AS_ptr, W_ptr, WS_ptr, B_ptr, PTS_ptr, Y_ptr,
     M, N, GROUPS,
     stride_am, stride_wn, stride_sn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """Outputs ``[BLOCK_M, BLOCK_N]``: ``Σ_g σ_g (x̂_g ŵ_gᵀ)`` by FP8 tensor-core dots, then :func:`_epilogue`."""
+    """Outputs ``[BLOCK_M, BLOCK_N]``: ``Σ_g σ_g (x̂_g ŵ_gᵀ)`` by FP8 tensor-core dots, then :func:`_epilogue`.
+
+    ``SWAP = 0``: ``ŵ`` unpacked to ``[BLOCK_N, GROUP]`` (nibbles interleaved back into channel order) as the
+    shared-memory operand. ``SWAP = 1``: the transposed product ``ŵ x̂ᵀ``, as the decode kernel: even and odd
+    channels as two dots, so the unpacked weights stay elementwise and can be the register operand of wgmma;
+    ``x̂`` (``AP``: the same bytes as int16 pairs) is split into its even and odd channels instead.
+    """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -144,63 +166,99 @@ def _w4a8_gemm_kernel(
     n_ok = offs_n < N
     offs_k = tl.arange(0, GROUP)
     offs_b = tl.arange(0, GROUP // 2)
-    a_ptrs = A_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     w_ptrs = W_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_b[None, :]
     s_ptrs = WS_ptr + offs_n.to(tl.int64) * stride_sn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for g in range(0, GROUPS):
-        a = tl.load(a_ptrs + g * GROUP, mask=m_ok[:, None], other=0.0)
-        w = _unpack_int4_fp8(tl.load(w_ptrs + g * (GROUP // 2), mask=n_ok[:, None], other=0), BLOCK_N, GROUP)
-        sigma = tl.load(s_ptrs + g, mask=n_ok, other=0.0).to(tl.float32)
-        acc += tl.dot(a, tl.trans(w)) * sigma[None, :]  # the group's own fp32 partial, then × σ
+    if SWAP:
+        ap_ptrs = AP_ptr + offs_m.to(tl.int64)[:, None] * (stride_am // 2) + offs_b[None, :]
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for g in range(0, GROUPS):
+            xp = tl.load(ap_ptrs + g * (GROUP // 2), mask=m_ok[:, None], other=0)
+            x_even = (xp & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True)  # low byte: channel 2c
+            x_odd = (xp >> 8).to(tl.int8).to(tl.float8e4nv, bitcast=True)
+            lo, hi = _int4_nibbles_fp16(tl.load(w_ptrs + g * (GROUP // 2), mask=n_ok[:, None], other=0))
+            sigma = tl.load(s_ptrs + g, mask=n_ok, other=0.0).to(tl.float32)
+            part = tl.dot(hi.to(tl.float8e4nv), tl.trans(x_odd), tl.dot(lo.to(tl.float8e4nv), tl.trans(x_even)))
+            acc_t += part * sigma[:, None]
+        acc = tl.trans(acc_t)
+    else:
+        a_ptrs = A_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for g in range(0, GROUPS):
+            a = tl.load(a_ptrs + g * GROUP, mask=m_ok[:, None], other=0.0)
+            w = _unpack_int4_fp8(tl.load(w_ptrs + g * (GROUP // 2), mask=n_ok[:, None], other=0), BLOCK_N, GROUP)
+            sigma = tl.load(s_ptrs + g, mask=n_ok, other=0.0).to(tl.float32)
+            acc += tl.dot(a, tl.trans(w)) * sigma[None, :]  # the group's own fp32 partial, then × σ
     y = _epilogue(acc, AS_ptr, B_ptr, PTS_ptr, offs_m, offs_n, m_ok, n_ok, HAS_BIAS)
     tl.store(Y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], y.to(Y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _w4a8_decode_kernel(
-    A_ptr, AS_ptr, W_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,
-    M, N, GROUPS, GROUPS_PER_SPLIT,
-    stride_am, stride_wn, stride_sn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, SPLIT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+def _decode_consumer(
+    c, XP_ptr, AS_ptr, W_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,
+    M, N, K, GROUPS_PER_SPLIT, stride_wn, stride_sn, stride_ym,
+    BLOCK_N: tl.constexpr, GROUP: tl.constexpr, SPLIT_K: tl.constexpr,
+    FUSED: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """Few tokens (``M ≤ BLOCK_M``): ``BLOCK_N`` output channels over groups ``[pid_k·GPS, (pid_k+1)·GPS)``.
+    """GEMM program ``c``: ``BLOCK_N`` output channels (tile ``c mod tiles``) over the groups of run ``c div tiles``.
 
-    Streams the packed bytes ``[BLOCK_N, GROUP/2]`` of each group as loaded (no nibble interleave):
-    the low nibbles are the even input channels, the high nibbles the odd ones, so a group's dot is
-    ``x̂_even ŵ_evenᵀ + x̂_odd ŵ_oddᵀ`` — two fp16 tensor-core dots (``mma``, any ``BLOCK_N ≥ 16``) with
-    an fp32 accumulator, on operands that fp16 holds exactly (e4m3 values, integers −8…7).
-
-    ``SPLIT_K > 1``: each run stores its fp32 sum in the workspace ``P (SPLIT_K, M, N)`` and takes a
-    ticket from the N tile's counter ``C[pid_n]``; the run that draws the last ticket adds the
-    ``SPLIT_K`` sums in the order ``0, 1, …`` (the same result whoever arrives last), applies the
-    epilogue and sets the counter back to 0 for the next launch. One launch, no atomics on data.
+    A group's dot is ``x̂_even ŵ_evenᵀ + x̂_odd ŵ_oddᵀ`` (low nibbles = even input channels, high = odd) as two
+    fp16 tensor-core dots with an fp32 accumulator, on operands fp16 holds exactly (e4m3 values, −8…7).
+    ``SWAP``: computed transposed, ``ŵ x̂ᵀ`` (``BLOCK_N`` rows: Hopper's wgmma, the weights as the register operand).
     """
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    BLOCK_M: tl.constexpr = 16  # DECODE_BLOCK_M: the fp16 mma's row count
+    HALF: tl.constexpr = GROUP // 2
+    tiles = tl.cdiv(N, BLOCK_N)
+    pid_n = c % tiles
+    pid_k = c // tiles
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    offs_c = tl.arange(0, GROUP // 2)  # byte c of a group holds input channels 2c (low) and 2c + 1 (high)
-    a_ptrs = A_ptr + offs_m[:, None] * stride_am + offs_c[None, :]  # x̂ as int16: one e4m3 pair per element
+    offs_c = tl.arange(0, HALF)  # byte c of a group holds input channels 2c (low) and 2c + 1 (high)
+    x_ptrs = XP_ptr + offs_m[:, None] * (K // 2) + offs_c[None, :]  # x̂ as int16: one e4m3 pair per element
     w_ptrs = W_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_c[None, :]
     s_ptrs = WS_ptr + offs_n.to(tl.int64) * stride_sn
     g0 = pid_k * GROUPS_PER_SPLIT
-    g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, GROUPS)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, K // GROUP)
+    # Software pipeline in registers (Triton does not pipeline loads that reach the dot through bit operations):
+    # the weights and scales of groups g + 1 and g + 2 and x̂ of g + 1 are in flight while group g is computed;
+    # the first two weight tiles are asked for before the wait on the fused quantization.
+    # (a group past the run: row limit ≤ 0, nothing loaded; integer limits, as the interpreter masks no scalar bools)
+    n_a = tl.minimum(N, (g1 - g0) * N)
+    wa = tl.load(w_ptrs + g0 * HALF, mask=offs_n[:, None] < n_a, other=0)
+    sa = tl.load(s_ptrs + g0, mask=offs_n < n_a, other=0.0)
+    n_b = tl.minimum(N, (g1 - g0 - 1) * N)
+    wb = tl.load(w_ptrs + (g0 + 1) * HALF, mask=offs_n[:, None] < n_b, other=0)
+    sb = tl.load(s_ptrs + g0 + 1, mask=offs_n < n_b, other=0.0)
+    if FUSED:  # x̂ and β are written by programs 0…M-1 of this launch: wait for all M (acquire)
+        while tl.atomic_add(C_ptr, 0, sem="acquire", scope="gpu") < M:
+            pass
+    xa = tl.load(x_ptrs + g0 * HALF, mask=offs_m[:, None] < tl.minimum(M, (g1 - g0) * M), other=0,
+                 cache_modifier=".cg")  # .cg: from L2, never a stale L1
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for g in range(g0, g1):
-        wb = tl.load(w_ptrs + g * (GROUP // 2), mask=n_ok[:, None], other=0).to(tl.int8, bitcast=True)
-        xp = tl.load(a_ptrs + g * (GROUP // 2), mask=m_ok[:, None], other=0)
-        x_even = (xp & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float16)  # low byte: channel 2c
-        x_odd = (xp >> 8).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        sigma = tl.load(s_ptrs + g, mask=n_ok, other=0.0).to(tl.float32)
-        w_even = ((wb << 4) >> 4).to(tl.float16)  # arithmetic shifts sign-extend the nibble
-        w_odd = (wb >> 4).to(tl.float16)
-        part = tl.dot(x_odd, tl.trans(w_odd), tl.dot(x_even, tl.trans(w_even)))
-        acc += part * sigma[None, :]
+        n_c = tl.minimum(N, (g1 - g - 2) * N)
+        wc = tl.load(w_ptrs + (g + 2) * HALF, mask=offs_n[:, None] < n_c, other=0)
+        sc = tl.load(s_ptrs + g + 2, mask=offs_n < n_c, other=0.0)
+        xb = tl.load(x_ptrs + (g + 1) * HALF, mask=offs_m[:, None] < tl.minimum(M, (g1 - g - 1) * M), other=0,
+                     cache_modifier=".cg")
+        w_even, w_odd = _int4_nibbles_fp16(wa)
+        x_even = (xa & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float16)  # low byte: channel 2c
+        x_odd = (xa >> 8).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        sigma = sa.to(tl.float32)
+        if SWAP:
+            part = tl.dot(w_odd, tl.trans(x_odd), tl.dot(w_even, tl.trans(x_even)))
+            acc += part * sigma[:, None]
+        else:
+            part = tl.dot(x_odd, tl.trans(w_odd), tl.dot(x_even, tl.trans(w_even)))
+            acc += part * sigma[None, :]
+        wa, wb, sa, sb, xa = wb, wc, sb, sc, xb
+    if SWAP:
+        acc = tl.trans(acc)
     mask = m_ok[:, None] & n_ok[None, :]
     y_ptrs = Y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
@@ -210,20 +268,63 @@ def _w4a8_decode_kernel(
         p_ptrs = P_ptr + offs_m[:, None] * N + offs_n[None, :]
         tl.store(p_ptrs + pid_k * M * N, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the ticket (release) is taken
-        ticket = tl.atomic_add(C_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:
+        ticket = tl.atomic_add(C_ptr + 2 + pid_n, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:  # the last run of this tile: the partials in a fixed order (loads unrolled)
             total = tl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=".cg")  # .cg: from L2, not a stale L1
-            for s in range(1, SPLIT_K):
+            for s in tl.static_range(1, SPLIT_K):
                 total += tl.load(p_ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
             y = _epilogue(total, AS_ptr, B_ptr, PTS_ptr, offs_m, offs_n, m_ok, n_ok, HAS_BIAS)
             tl.store(y_ptrs, y.to(Y_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(C_ptr + pid_n, 0)
+            tl.atomic_xchg(C_ptr + 2 + pid_n, 0)
+    if FUSED:  # the last GEMM program past the wait sets the flag (and this count) back to 0 for the next launch
+        if tl.atomic_add(C_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - M - 1:
+            tl.atomic_xchg(C_ptr, 0)
+            tl.atomic_xchg(C_ptr + 1, 0)
+
+
+@triton.jit
+def _w4a8_decode_kernel(
+    X_ptr, XQ_ptr, XP_ptr, AS_ptr, W_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,
+    M, N, K, GROUPS_PER_SPLIT,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    BLOCK_N: tl.constexpr, GROUP: tl.constexpr, SPLIT_K: tl.constexpr,
+    FUSED: tl.constexpr, SWAP: tl.constexpr, QBLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """Few tokens (``M ≤ 16``), one launch: ``tiles × SPLIT_K`` GEMM programs (:func:`_decode_consumer`).
+
+    ``FUSED``: programs ``0…M-1`` first quantize token ``m`` (:func:`_quantize_row`: ``x`` → ``x̂``, ``β`` in the
+    workspaces ``XQ``/``AS``) and count themselves on the flag ``C[0]`` (release); the GEMM programs come after
+    them in the grid and wait on that flag. They wait only on programs of lower index, which the GPU starts
+    first, so the wait cannot deadlock (the assumption of Stream-K's and decoupled look-back's waits; the
+    interpreter runs programs in index order). Without ``FUSED``, ``x̂``/``β`` come from
+    :func:`quantize_activation_fp8`.
+
+    ``SPLIT_K > 1``: each run stores its fp32 sum in the workspace ``P (SPLIT_K, M, N)`` and takes a ticket
+    from the N tile's counter ``C[2 + pid_n]``; the run that draws the last ticket sums the ``SPLIT_K``
+    partials in a fixed order (the same result whoever arrives last), applies the epilogue and sets the
+    counter back to 0 for the next launch. No atomics on data: deterministic.
+    """
+    pid = tl.program_id(0)
+    if FUSED:
+        if pid < M:
+            _quantize_row(X_ptr + pid.to(tl.int64) * stride_xm, XQ_ptr + pid * K, AS_ptr + pid, K, QBLOCK, EMULATE)
+            tl.debug_barrier()  # every thread's x̂ is written before the flag (release) counts this token
+            tl.atomic_add(C_ptr, 1, sem="release", scope="gpu")
+        else:
+            _decode_consumer(pid - M, XP_ptr, AS_ptr, W_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,
+                             M, N, K, GROUPS_PER_SPLIT, stride_wn, stride_sn, stride_ym,
+                             BLOCK_N, GROUP, SPLIT_K, FUSED, SWAP, HAS_BIAS)
+    else:
+        _decode_consumer(pid, XP_ptr, AS_ptr, W_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,
+                         M, N, K, GROUPS_PER_SPLIT, stride_wn, stride_sn, stride_ym,
+                         BLOCK_N, GROUP, SPLIT_K, FUSED, SWAP, HAS_BIAS)
 
 
 @triton.jit
 def _epilogue(acc, AS_ptr, B_ptr, PTS_ptr, offs_m, offs_n, m_ok, n_ok, HAS_BIAS: tl.constexpr):
     """``(acc ⊙ β) · 2⁻ⁿ (+ bias)`` in fp32, in the reference's order (``acc * beta * 2**-n + bias``)."""
-    beta = tl.load(AS_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32)
+    beta = tl.load(AS_ptr + offs_m, mask=m_ok, other=1.0, cache_modifier=".cg").to(tl.float32)  # .cg: see decode
     n_pts = tl.load(PTS_ptr)
     inv_delta = ((127 - n_pts) << 23).to(tl.float32, bitcast=True)  # 2⁻ⁿ exactly (0 ≤ n ≤ 126)
     y = acc * beta[:, None] * inv_delta
@@ -232,19 +333,22 @@ def _epilogue(acc, AS_ptr, B_ptr, PTS_ptr, offs_m, offs_n, m_ok, n_ok, HAS_BIAS:
     return y
 
 
-# (max M, config): the first row whose max M ≥ M. ``decode`` (M ≤ DECODE_BLOCK_M): BLOCK_N channels per program,
-# split-K into enough runs that the launch has about ``programs`` programs (each run ≥ MIN_GROUPS_PER_SPLIT
-# groups); ``tiled``: BLOCK_M × BLOCK_N FP8 tiles over all of K. Picked by ``eval/bench_linear.py --tune`` on an
-# H200: the decode row from eval/results/bench_linear/h200/tune.csv (M ∈ {1, 16}), the tiled rows from the
-# sweep of commit c46d778 (that file's earlier version).
+# (max M, config): the first row whose max M ≥ M. ``decode`` (M ≤ DECODE_BLOCK_M): one launch of
+# :func:`_w4a8_decode_kernel`, BLOCK_N channels per program, split-K into runs of ``gps`` groups (fewer where
+# K is shorter: at most MAX_SPLIT runs), ``fused`` activation quantization, ``swap`` (wgmma orientation);
+# ``tiled``: the activation kernel, then BLOCK_M × BLOCK_N FP8 tiles over all of K. Picked on an H200 by
+# ``eval/bench_linear.py --tune`` (eval/results/bench_linear/h200/NOTES.md).
 GEMM_CONFIGS = (
-    (16, dict(kernel="decode", block_n=64, programs=512, num_warps=2, num_stages=3)),
+    (16, dict(kernel="decode", block_n=64, gps=4, fused=1, swap=1, num_warps=4)),
     (256, dict(kernel="tiled", block_m=128, block_n=64, num_warps=4, num_stages=4)),
     (None, dict(kernel="tiled", block_m=128, block_n=64, num_warps=4, num_stages=3)),
 )
 DECODE_BLOCK_M = 16  # the fp16 mma's row count: the decode kernel takes M ≤ 16
-MIN_GROUPS_PER_SPLIT = 4
-_SEMAPHORES: dict[tuple[torch.device, int], torch.Tensor] = {}
+MAX_SPLIT = 16  # split-K runs of the decode kernel (their partials are summed from registers)
+DECODE_QBLOCK = 4096  # the fused quantization's chunk along K (registers per producer program)
+COUNTERS = 2  # decode workspace counters ahead of the per-tile tickets: the quantization flag, the done count
+_SCRATCH: dict[tuple, object] = {}  # (stream key, name) → tensor (or views)
+_RETIRED: list[torch.Tensor] = []  # outgrown scratch: kept alive, a captured CUDA graph may still use its address
 
 
 def gemm_config(m: int, n: int, k: int) -> dict:
@@ -256,24 +360,96 @@ def gemm_config(m: int, n: int, k: int) -> dict:
 
 
 def decode_split(cfg: dict, n: int, groups: int) -> tuple[int, int]:
-    """``(SPLIT_K, groups per run)`` of the decode kernel: ≈ ``cfg["programs"]`` programs, no empty or short runs."""
-    tiles = triton.cdiv(n, cfg["block_n"])
-    split = max(1, min(triton.cdiv(cfg["programs"], tiles), groups // MIN_GROUPS_PER_SPLIT))
+    """``(SPLIT_K, groups per run)`` of the decode kernel: runs of ``cfg["gps"]`` groups, at most ``MAX_SPLIT``."""
+    split = max(1, min(MAX_SPLIT, triton.cdiv(groups, cfg["gps"])))
     gps = triton.cdiv(groups, split)
     return triton.cdiv(groups, gps), gps
 
 
-def _semaphores(device: torch.device, count: int) -> torch.Tensor:
-    """The decode kernel's split-K tickets for the current stream: int32 counters that are 0 between launches.
+def _stream_key(device: torch.device) -> tuple:
+    if device.type != "cuda":  # the interpreter
+        return (device, 0)
+    return (device, torch._C._cuda_getCurrentRawStream(device.index))
 
-    One set per (device, stream): launches on one stream run one after the other, so they can share
-    counters; launches on two streams may overlap and must not.
+
+def _scratch(key: tuple, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Scratch memory of the current stream (``key``), at least ``numel`` long; counters start (and end) at 0.
+
+    One set per (device, stream): launches on one stream run one after the other and can share it;
+    launches on two streams may overlap and must not.
     """
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)  # CPU: interpreter
-    sem = _SEMAPHORES.get(key)
-    if sem is None or sem.numel() < count:
-        sem = _SEMAPHORES[key] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-    return sem
+    buf = _SCRATCH.get((key, name))
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = _SCRATCH[(key, name)] = torch.zeros(max(numel, 4096), dtype=dtype, device=device)
+    return buf
+
+
+def _semaphores(device: torch.device, count: int) -> torch.Tensor:
+    """The decode kernel's int32 counters for the current stream: 0 between launches."""
+    return _scratch(_stream_key(device), "counters", count, torch.int32, device)
+
+
+def _x_hat_scratch(key: tuple, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused quantization's ``x̂`` scratch as e4m3 (written) and as int16 pairs (read), views made once."""
+    views = _SCRATCH.get((key, "x_hat_views"))
+    if views is None or views[0].numel() < numel:
+        raw = _scratch(key, "x_hat", -(-numel // 2) * 2, torch.uint8, device)
+        views = _SCRATCH[(key, "x_hat_views")] = (raw.view(torch.float8_e4m3fn), raw.view(torch.int16))
+    return views
+
+
+def _launch_decode(x, x_hat, beta, qweight, scales, pts_exp, bias, y, cfg: dict) -> None:
+    """One launch of :func:`_w4a8_decode_kernel`: from ``x`` (``cfg["fused"]``) or from ``x̂, β``."""
+    m, n, k = y.shape[0], y.shape[1], qweight.shape[1] * 2
+    if m > DECODE_BLOCK_M:
+        raise ValueError(f"the decode kernel takes M ≤ {DECODE_BLOCK_M} tokens, got {m}")
+    device = y.device
+    key = _stream_key(device)
+    bn = cfg["block_n"]
+    tiles = triton.cdiv(n, bn)
+    split, gps = decode_split(cfg, n, k // GROUP_SIZE)
+    fused = bool(cfg.get("fused", 0)) and x is not None
+    counters = _scratch(key, "counters", COUNTERS + tiles, torch.int32, device)
+    work = _scratch(key, "partials", split * m * n, torch.float32, device) if split > 1 else y
+    if fused:
+        x_hat, x_pairs = _x_hat_scratch(key, m * k, device)
+        beta = _scratch(key, "beta", m, torch.bfloat16, device)
+        x_arg, stride_xm = x, x.stride(0)
+    else:
+        if x_hat.stride(0) != k:
+            x_hat = x_hat.contiguous()
+        x_arg, stride_xm, x_pairs = x_hat, 0, x_hat.view(torch.int16)
+    _w4a8_decode_kernel[((m if fused else 0) + tiles * split,)](
+        x_arg, x_hat, x_pairs, beta, qweight, scales, bias if bias is not None else beta, pts_exp,
+        work, counters, y, m, n, k, gps, stride_xm, qweight.stride(0), scales.stride(0), y.stride(0),
+        BLOCK_N=bn, GROUP=GROUP_SIZE, SPLIT_K=split, FUSED=fused,
+        SWAP=cfg.get("swap", 0), QBLOCK=min(DECODE_QBLOCK, triton.next_power_of_2(k)),
+        HAS_BIAS=bias is not None, EMULATE=interpreting(), num_warps=cfg["num_warps"], num_stages=1,
+    )
+
+
+def _launch_tiled(x_hat, beta, qweight, scales, pts_exp, bias, y, cfg: dict) -> None:
+    m, n = y.shape
+    bm, bn = cfg["block_m"], cfg["block_n"]
+    swap = cfg.get("swap", 0)
+    _w4a8_gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+        x_hat, x_hat.view(torch.int16) if swap else x_hat, beta, qweight, scales,
+        bias if bias is not None else beta, pts_exp, y, m, n,
+        qweight.shape[1] * 2 // GROUP_SIZE, x_hat.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, GROUP=GROUP_SIZE, SWAP=swap, HAS_BIAS=bias is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def _check_operands(m: int, k: int, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+    n = qweight.shape[0]
+    if k % GROUP_SIZE or qweight.shape[1] * 2 != k or scales.shape != (n, k // GROUP_SIZE):
+        raise ValueError(f"shapes x ({m}, {k}), qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)} "
+                         f"do not form a K={k} (multiple of {GROUP_SIZE}) W4A8 product")
+    if qweight.stride(-1) != 1:
+        raise ValueError("qweight needs a contiguous last dim")
 
 
 def w4a8_gemm(
@@ -287,7 +463,7 @@ def w4a8_gemm(
     *,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """``y = β · 2⁻ⁿ · Σ_g σ_g (x̂_g ŵ_gᵀ) + bias`` on quantized operands.
+    """``y = β · 2⁻ⁿ · Σ_g σ_g (x̂_g ŵ_gᵀ) + bias`` on quantized operands (the GEMM alone).
 
     Args:
         x_hat: ``float8_e4m3fn (M, K)``, K a multiple of 128, last dim contiguous.
@@ -303,44 +479,43 @@ def w4a8_gemm(
         ``y (M, N)`` in ``out_dtype``.
     """
     m, k = x_hat.shape
-    n = qweight.shape[0]
-    if k % GROUP_SIZE or qweight.shape[1] * 2 != k or scales.shape != (n, k // GROUP_SIZE):
-        raise ValueError(f"shapes x_hat {tuple(x_hat.shape)}, qweight {tuple(qweight.shape)}, scales "
-                         f"{tuple(scales.shape)} do not form a K={k} (multiple of {GROUP_SIZE}) W4A8 product")
-    if x_hat.stride(-1) != 1 or qweight.stride(-1) != 1:
-        raise ValueError("x_hat and qweight need a contiguous last dim")
-    cfg = gemm_config(m, n, k) if config is None else config
-    groups = k // GROUP_SIZE
-    y = torch.empty((m, n), device=x_hat.device, dtype=out_dtype)
-    if m == 0 or n == 0:
+    _check_operands(m, k, qweight, scales)
+    if x_hat.stride(-1) != 1:
+        raise ValueError("x_hat needs a contiguous last dim")
+    cfg = gemm_config(m, qweight.shape[0], k) if config is None else config
+    y = torch.empty((m, qweight.shape[0]), device=x_hat.device, dtype=out_dtype)
+    if m == 0 or y.shape[1] == 0:
         return y
-    has_bias = bias is not None
-    bias_arg = bias if has_bias else x_scale  # placeholder pointer, never read
-    common = (x_hat, x_scale, qweight, scales, bias_arg, pts_exp)
-    bn = cfg["block_n"]
     if cfg["kernel"] == "decode":
-        if m > DECODE_BLOCK_M:
-            raise ValueError(f"the decode kernel takes M ≤ {DECODE_BLOCK_M} tokens, got {m}")
-        split, gps = decode_split(cfg, n, groups)
-        tiles = triton.cdiv(n, bn)
-        if split > 1:
-            work, sem = torch.empty((split, m, n), device=y.device, dtype=torch.float32), _semaphores(y.device, tiles)
-        else:
-            work = sem = y  # placeholders, never read
-        _w4a8_decode_kernel[(tiles, split)](
-            x_hat.view(torch.int16), *common[1:], work, sem, y, m, n, groups, gps,
-            x_hat.stride(0) // 2, qweight.stride(0), scales.stride(0), y.stride(0),
-            BLOCK_M=DECODE_BLOCK_M, BLOCK_N=bn, GROUP=GROUP_SIZE, SPLIT_K=split, HAS_BIAS=has_bias,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
+        _launch_decode(None, x_hat, x_scale, qweight, scales, pts_exp, bias, y, cfg)
     else:
-        bm = cfg["block_m"]
-        _w4a8_gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
-            *common, y, m, n, groups,
-            x_hat.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-            BLOCK_M=bm, BLOCK_N=bn, GROUP=GROUP_SIZE, HAS_BIAS=has_bias,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
+        _launch_tiled(x_hat, x_scale, qweight, scales, pts_exp, bias, y, cfg)
+    return y
+
+
+def w4a8_linear_2d(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pts_exp: torch.Tensor,
+    bias: torch.Tensor | None = None, *, config: dict | None = None,
+) -> torch.Tensor:
+    """The whole layer on ``x (M, K)`` (last dim contiguous) → ``y (M, N)`` in ``x``'s dtype.
+
+    M ≤ 16: one launch (quantization fused into the decode GEMM); larger M: :func:`quantize_activation_fp8`
+    then the tiled GEMM.
+    """
+    m, k = x.shape
+    _check_operands(m, k, qweight, scales)
+    cfg = gemm_config(m, qweight.shape[0], k) if config is None else config
+    y = torch.empty((m, qweight.shape[0]), device=x.device, dtype=x.dtype)
+    if m == 0 or y.shape[1] == 0:
+        return y
+    if cfg["kernel"] == "decode" and cfg.get("fused", 0):
+        _launch_decode(x, None, None, qweight, scales, pts_exp, bias, y, cfg)
+        return y
+    x_hat, beta = quantize_activation_fp8(x)
+    if cfg["kernel"] == "decode":
+        _launch_decode(None, x_hat, beta, qweight, scales, pts_exp, bias, y, cfg)
+    else:
+        _launch_tiled(x_hat, beta, qweight, scales, pts_exp, bias, y, cfg)
     return y
 
 
@@ -351,9 +526,8 @@ def w4a8_gemm(
 def w4a8_linear_op(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pts_exp: torch.Tensor, bias: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    """The whole layer on ``x (M, K)`` as one op: :func:`quantize_activation_fp8` then :func:`w4a8_gemm`."""
-    x_hat, beta = quantize_activation_fp8(x)
-    return w4a8_gemm(x_hat, beta, qweight, scales, pts_exp, bias, x.dtype)
+    """The whole layer on ``x (M, K)`` as one op (:func:`w4a8_linear_2d`): what ``torch.compile`` sees."""
+    return w4a8_linear_2d(x, qweight, scales, pts_exp, bias)
 
 
 @w4a8_linear_op.register_fake
@@ -365,8 +539,18 @@ def w4a8_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pts_exp: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """End to end through one custom op: ``x (..., K)`` → ``y (..., N)`` in ``x``'s dtype."""
-    y = w4a8_linear_op(x.reshape(-1, x.shape[-1]).contiguous(), qweight, scales, pts_exp, bias)
+    """End to end: ``x (..., K)`` → ``y (..., N)`` in ``x``'s dtype.
+
+    Eager calls go straight to :func:`w4a8_linear_2d` (the custom op's dispatch costs more host time than a
+    decode-sized GEMM takes on the GPU); under ``torch.compile`` through the custom op.
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if torch.compiler.is_compiling():
+        y = w4a8_linear_op(x2, qweight, scales, pts_exp, bias)
+    else:
+        y = w4a8_linear_2d(x2, qweight, scales, pts_exp, bias)
     return y.view(*x.shape[:-1], qweight.shape[0])
 
 

@@ -136,21 +136,53 @@ def test_gemm_every_configuration_of_the_table(row):
     _check_gemm(max_m or 300, 67, 5 * GROUP_SIZE, seed=10 + row, dtype=torch.float32, config=dict(cfg, num_stages=1))
 
 
+def _decode_cfg(block_n=16, gps=2, fused=0, swap=0):
+    return dict(kernel="decode", block_n=block_n, gps=gps, fused=fused, swap=swap, num_warps=4)
+
+
+def _counters_are_zero(device):
+    return not any(buf.any() for (key, name), buf in wt._SCRATCH.items() if name == "counters" and key[0] == device)
+
+
 @pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("block_n,split", [(16, 1), (32, 3), (64, 5)])
-def test_decode_kernel_split_k(m, block_n, split, monkeypatch):
+@pytest.mark.parametrize("block_n,gps,split", [(16, 5, 1), (32, 2, 3), (64, 1, 5)])
+def test_decode_kernel_split_k(m, block_n, gps, split):
     """Split-K runs summed by the last program to arrive: runs of 2, 2, 1 groups (a short last run) or 1 each,
     an odd N; the tickets are back at 0 afterwards, and a second call gives the same bits."""
-    monkeypatch.setattr(wt, "MIN_GROUPS_PER_SPLIT", 1)
     n, groups = 67, 5
-    tiles = -(-n // block_n)
-    cfg = dict(kernel="decode", block_n=block_n, programs=tiles * split, num_warps=4, num_stages=1)
+    cfg = _decode_cfg(block_n, gps)
     assert wt.decode_split(cfg, n, groups)[0] == split
     y = _check_gemm(m, n, groups * GROUP_SIZE, seed=20 + m + split, dtype=torch.bfloat16, config=cfg)
-    if split > 1:
-        assert not any(sem.any() for (device, _), sem in wt._SEMAPHORES.items() if device == y.device)
+    assert _counters_are_zero(y.device)
     again = _check_gemm(m, n, groups * GROUP_SIZE, seed=20 + m + split, dtype=torch.bfloat16, config=cfg)
     assert torch.equal(y, again)
+
+
+@pytest.mark.parametrize("m", [17, 40])
+@pytest.mark.parametrize("swap", [0, 1])
+def test_tiled_kernel_orientations(m, swap):
+    """The tiled kernel as ``x̂ ŵᵀ`` (weights interleaved back into channel order) and as ``ŵ x̂ᵀ`` (even/odd dots)."""
+    cfg = dict(kernel="tiled", block_m=32, block_n=16, swap=swap, num_warps=4, num_stages=1)
+    _check_gemm(m, 67, 3 * GROUP_SIZE, seed=40 + m, dtype=torch.float16, config=cfg)
+
+
+@pytest.mark.parametrize("m", [1, 7, 16])
+@pytest.mark.parametrize("swap", [0, 1])
+@pytest.mark.parametrize("gps", [2, 5])
+def test_decode_kernel_fused_quantization(m, swap, gps):
+    """One launch from ``x``: the first M programs quantize, the GEMM programs wait for them. The same bits
+    as quantizing first (the quantization is bit-exact either way and the GEMM is the same program), within
+    the reference's bound, and the flag and counts are back at 0 for the next launch."""
+    n, k = 67, 5 * GROUP_SIZE
+    packed, (qw, sc, pe, b) = _layer(n, k, seed=30 + m, bias=swap == 1)
+    x = _randn(m, k, seed=31 + m).to(torch.bfloat16).to(DEVICE)
+    fused = wt.w4a8_linear_2d(x, qw, sc, pe, b, config=_decode_cfg(32, gps, fused=1, swap=swap))
+    assert _counters_are_zero(fused.device)
+    two_step = wt.w4a8_linear_2d(x, qw, sc, pe, b, config=_decode_cfg(32, gps, fused=0, swap=swap))
+    assert torch.equal(fused, two_step)
+    y_ref = w4a8_linear_ref(x.cpu(), packed, None if b is None else b.cpu(), compute_dtype=torch.float32)
+    err = (fused.cpu().double() - y_ref.double()).abs()
+    assert (err <= _error_bound(x.cpu(), packed, b, y_ref, torch.bfloat16)).all()
 
 
 @pytest.mark.gpu
@@ -167,11 +199,11 @@ def test_gpu_split_k_tickets_are_per_stream():
 def test_gemm_config_table():
     assert wt.gemm_config(16, 4096, 4096)["kernel"] == "decode" and wt.gemm_config(17, 4096, 4096)["kernel"] == "tiled"
     assert wt.gemm_config(4096, 4096, 4096)["block_m"] == 128
-    cfg = dict(kernel="decode", block_n=32, programs=1024, num_warps=4, num_stages=2)
+    cfg = _decode_cfg(32, gps=4)
     assert wt.decode_split(cfg, 4096, 2) == (1, 2)  # 2 groups: no split
-    assert wt.decode_split(cfg, 4096, 32) == (8, 4)  # 128 tiles × 8 runs of 4 groups
-    assert wt.decode_split(cfg, 4096, 112) == (8, 14)
-    assert wt.decode_split(cfg, 14336, 32) == (3, 11)  # 448 tiles: 3 runs (11, 11, 10 groups)
+    assert wt.decode_split(cfg, 4096, 32) == (8, 4)  # runs of 4 groups
+    assert wt.decode_split(cfg, 4096, 112) == (wt.MAX_SPLIT, 7)  # at most MAX_SPLIT runs: longer ones
+    assert wt.decode_split(_decode_cfg(32, gps=3), 4096, 32) == (11, 3)  # 10 runs of 3, a last one of 2
     with pytest.raises(ValueError, match="M ≤ 16"):
         wt.w4a8_gemm(torch.zeros(17, 128, dtype=torch.float8_e4m3fn), torch.ones(17, dtype=torch.bfloat16),
                       torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.float8_e4m3fn),
@@ -186,7 +218,7 @@ def test_gemm_rejects_bad_shapes():
 
 
 @pytest.mark.parametrize("cfg", [dict(kernel="tiled", block_m=16, block_n=16, num_warps=4, num_stages=1),
-                                 dict(kernel="decode", block_n=16, programs=1, num_warps=4, num_stages=1)])
+                                 _decode_cfg(16, gps=1), _decode_cfg(64, gps=1, swap=1)])
 def test_interpreter_dots_are_exact_on_e4m3_operands(cfg):
     """What the CPU runs rests on: the interpreter's FP8 (tiled) and fp16 (decode) dots equal float64 on
     e4m3 × INT4 operands that fp32 holds."""
