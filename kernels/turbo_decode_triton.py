@@ -66,37 +66,70 @@ MAX_Q_LEN = 16
 MAX_ROWS = 128  # G_PAD · NQ_PAD rows of one program
 PROGRAMS_PER_SM = 16  # split the sequence until the grid has about this many programs per SM
 MIN_BLOCKS_PER_SPLIT = 4  # ≥ 256 keys per split: the partial (m, ℓ, acc) written stays small next to the codes read
-NUM_WARPS, NUM_STAGES = 2, 2  # launch of the decode kernel (the B=8, N=32k sweep on an H200: bench_decode NOTES.md)
+NUM_WARPS, NUM_STAGES = 2, 1  # launch of the decode kernel (the B=8, N=32k sweep on an H200: bench_decode NOTES.md)
+SUBNORMAL_CODES = True  # 4-bit codes enter the fp16 dots as subnormals (code · 2⁻²⁴); False: as 1024 + code
 
 
 # --------------------------------------------------------------------------- jit helpers
 
 
 @triton.jit
-def _codes(packed, p: tl.constexpr, BITS: tl.constexpr):
-    """The codes at position ``p`` of each byte of ``packed``: channel ``(8 / BITS)·j + p`` for byte ``j``."""
-    return (packed >> (BITS * p)) & (2**BITS - 1)
+def _byte(w, p: tl.constexpr):
+    """Signed byte ``p`` of int32 words: an int8 row ``(D,)`` read as words ``i`` gives channels ``4i + p``."""
+    if p == 3:
+        out = w >> 24
+    else:
+        out = (w << (24 - 8 * p)) >> 24
+    return out
 
 
 @triton.jit
-def _channel_parts(ptr, HEAD_DIM: tl.constexpr, PB: tl.constexpr):
-    """The ``(HEAD_DIM,)`` vector at ``ptr`` (one load) in ``PB`` parts: part ``p`` = channels ``PB·j + p``."""
-    v = tl.load(ptr + tl.arange(0, HEAD_DIM))
-    if PB == 2:
-        parts = tl.split(tl.reshape(v, (HEAD_DIM // 2, 2)))
+def _halves(t):
+    """int32 words ``(R, W)`` holding two fp16 bit patterns → fp16 ``(R, 2W)`` (low half first)."""
+    lo = t.to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (t >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _code_part(w, p: tl.constexpr, BITS: tl.constexpr):
+    """``1024 + code`` (fp16, exact) of channels ``4i + p``, ``i`` in order, from packed rows read as int32
+    words ``w (R, W)``: ``(R, D / 4)``.
+
+    A word holds ``32 / BITS`` codes, channel ``(32 / BITS)·i + f`` at bits ``BITS·f``. A field moved to the
+    bottom of each 16-bit half and or-ed with ``0x6400`` (fp16 1024, whose ulp is 1) reads as ``1024 + code``:
+    one shift and one LOP3 per pair. 4-bit: fields ``p`` / ``p + 4`` (channels ``8i + p``, ``8i + 4 + p``);
+    2-bit: fields ``p`` / ``p + 8`` and ``p + 4`` / ``p + 12``.
+    """
+    if BITS == 4:
+        x = _halves(((w >> (4 * p)) & 0x000F000F) | 0x64006400)
+        out = tl.reshape(x, (x.shape[0], x.shape[1] * 2))
     else:
-        even, odd = tl.split(tl.reshape(v, (HEAD_DIM // 4, 2, 2)))  # [j, a] = channel 4j + 2a (+ 1)
-        p0, p2 = tl.split(even)
-        p1, p3 = tl.split(odd)
-        parts = (p0, p1, p2, p3)
-    return parts
+        a = _halves(((w >> (2 * p)) & 0x00030003) | 0x64006400)
+        b = _halves(((w >> (2 * p + 8)) & 0x00030003) | 0x64006400)
+        x = tl.join(a, b)  # [r, i, half, a] = channel 16i + 8·half + 4a + p
+        out = tl.reshape(x, (x.shape[0], x.shape[1] * 4))
+    return out
+
+
+@triton.jit
+def _code_part_subnormal(w, p: tl.constexpr):
+    """4-bit codes of channels ``4i + p`` as fp16 subnormals, ``code · 2⁻²⁴ · (16 if p odd else 1)``: the bit
+    pattern is the masked word itself (one LOP3 a pair, one shift for two parts); ``(R, D / 4)``."""
+    if p >= 2:
+        w = w >> 8
+    if p % 2 == 0:
+        x = _halves(w & 0x000F000F)
+    else:
+        x = _halves(w & 0x00F000F0)
+    return tl.reshape(x, (x.shape[0], x.shape[1] * 2))
 
 
 @triton.jit
 def _dequant(x, z, s, BITS: tl.constexpr):
-    """``(x + z^int)·s^int`` in fp16 (exact: integers ≤ 2048), clamped to ±127 for 2-bit blocks (4-bit ones
-    cannot pass it)."""
-    v = (x.to(tl.float16) + z.to(tl.float16)[None, :]) * s.to(tl.float16)[None, :]
+    """``(code + z^int)·s^int`` in fp16 from ``x = 1024 + code`` (exact: integers ≤ 2048), clamped to ±127 for
+    2-bit blocks (4-bit ones cannot pass it)."""
+    v = (x + (z.to(tl.float16) - 1024.0)[None, :]) * s.to(tl.float16)[None, :]
     if BITS == 2:
         v = tl.minimum(tl.maximum(v, -127.0), 127.0)
     return v.to(tl.float16)
@@ -115,8 +148,9 @@ def _quantize_p(p, p_scale, PMAX: tl.constexpr):
 
 @triton.jit
 def _softmax(s_int, qk_scale, keep, m_i, l_i, sm_scale,
-             G_PAD: tl.constexpr, NQ_PAD: tl.constexpr, PMAX: tl.constexpr, MASK: tl.constexpr):
-    """SAS online softmax of one key tile: ``(P̂ (fp16), s_P, α, ℓ, m)``; P̂'s scale is per query head."""
+             HEADS: tl.constexpr, NQ_PAD: tl.constexpr, PMAX: tl.constexpr, MASK: tl.constexpr):
+    """SAS online softmax of one key tile: ``(P̂ (fp16), s_P, α, ℓ, m)``; P̂'s scale is per query head (rows
+    ``HEADS × NQ_PAD``)."""
     s = s_int * qk_scale[:, None] * sm_scale
     if MASK:
         s = tl.where(keep, s, float("-inf"))
@@ -127,8 +161,8 @@ def _softmax(s_int, qk_scale, keep, m_i, l_i, sm_scale,
     # P̂ scale: max over the tile's rows of one query head (the reference's block_q tile holds all its Nq rows)
     row_max = tl.max(p, 1)
     if NQ_PAD > 1:
-        head_max = tl.max(tl.reshape(row_max, (G_PAD, NQ_PAD)), 1)
-        row_max = tl.reshape(tl.broadcast_to(head_max[:, None], (G_PAD, NQ_PAD)), (G_PAD * NQ_PAD,))
+        head_max = tl.max(tl.reshape(row_max, (HEADS, NQ_PAD)), 1)
+        row_max = tl.reshape(tl.broadcast_to(head_max[:, None], (HEADS, NQ_PAD)), (HEADS * NQ_PAD,))
     p_scale = tl.math.div_rn(row_max, PMAX * 1.0)
     p_scale = tl.where(p_scale == 0.0, 1.0, p_scale)
     return _quantize_p(p, p_scale, PMAX), p_scale, alpha, l_i * alpha + tl.sum(p, 1), m_new
@@ -136,134 +170,216 @@ def _softmax(s_int, qk_scale, keep, m_i, l_i, sm_scale,
 
 @triton.jit
 def _accumulate(acc, r, alpha, p_scale, v_scale):
-    """``α·acc + R·s_P·s_V`` for one channel part."""
-    return acc * alpha[:, None] + r * p_scale[:, None] * v_scale
+    """``α·acc + R·s_P·s_V`` for one channel part (``v_scale``: per row)."""
+    return acc * alpha[:, None] + r * p_scale[:, None] * v_scale[:, None]
 
 
 @triton.jit(do_not_specialize=["NQ", "T", "NB", "BLOCKS_PER_SPLIT", "NUM_SPLITS"])
 def _turbo_decode_kernel(
     Q_ptr, stride_qb, stride_qh, stride_qm,
-    KC_ptr, stride_kcb, stride_kcn, KS_ptr, KZ_ptr, KBS_ptr,
-    VC_ptr, stride_vcb, stride_vcn, VS_ptr, VZ_ptr, VBS_ptr,
+    KC_ptr, stride_kcb, KS_ptr, KZ_ptr, KBS_ptr,
+    VC_ptr, stride_vcb, VS_ptr, VZ_ptr, VBS_ptr,
     KB_ptr, KBSC_ptr, VB_ptr, VBSC_ptr,
     META_ptr,
     O_ptr, stride_ob, stride_oh, stride_om,
     MP_ptr, LP_ptr, ACC_ptr,
     NQ, T, NB, HKV, HG, BLOCKS_PER_SPLIT, NUM_SPLITS, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, NQ_PAD: tl.constexpr,
-    BITS_K: tl.constexpr, BITS_V: tl.constexpr, CAUSAL: tl.constexpr, ROW_MASK: tl.constexpr,
-    DIRECT: tl.constexpr, QMAX: tl.constexpr, PMAX: tl.constexpr,
+    LANES: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, CAUSAL: tl.constexpr,
+    ROW_MASK: tl.constexpr, DIRECT: tl.constexpr, QMAX: tl.constexpr, PMAX: tl.constexpr, SUB: tl.constexpr,
 ):
-    """Split ``program_id(0)`` of (batch, group slot) ``program_id(1)``; META = (kv head, K / V code byte offsets)."""
-    BLOCK_M: tl.constexpr = G_PAD * NQ_PAD
-    PK: tl.constexpr = 8 // BITS_K  # channel parts of K (code positions in a byte)
-    PV: tl.constexpr = 8 // BITS_V
-    MASK: tl.constexpr = CAUSAL or ROW_MASK
+    """Split ``program_id(0)`` of (batch, group slot) ``program_id(1)``; META = (kv head, K / V code word offsets).
+
+    Codes, ``s^int`` and ``z^int`` come as int32 words (``KC``/``VC`` rows of ``HEAD_DIM·BITS/32`` words,
+    ``stride_*cb`` in words). Rows ``r = lane·RPL + g·NQ_PAD + i``: lane ``j`` takes the blocks ``≡ j`` of
+    each group of ``LANES`` consecutive blocks, with its own running state, merged at the end.
+    """
+    RPL: tl.constexpr = G_PAD * NQ_PAD  # rows of one lane
+    BLOCK_M: tl.constexpr = LANES * RPL
+    DP: tl.constexpr = HEAD_DIM // 4  # channels of one part (4i + p)
+    WK: tl.constexpr = HEAD_DIM * BITS_K // 32  # int32 words of a K code row
+    WV: tl.constexpr = HEAD_DIM * BITS_V // 32
+    MASK: tl.constexpr = CAUSAL or ROW_MASK or (LANES > 1)
+    K_SCALE_ON_Q: tl.constexpr = BITS_K == 4  # 2-bit blocks need the clamp on K̂ itself
+    SUB_K: tl.constexpr = SUB and BITS_K == 4  # 4-bit codes as fp16 subnormals (else 1024 + code)
+    SUB_V: tl.constexpr = SUB and BITS_V == 4
     pid_s = tl.program_id(0)
     pid = tl.program_id(1)
     b = pid // HG
     slot = pid % HG
     h = tl.load(META_ptr + slot).to(tl.int32)
-    k_off = tl.multiple_of(tl.load(META_ptr + HG + slot), 16)
-    v_off = tl.multiple_of(tl.load(META_ptr + 2 * HG + slot), 16)
+    k_off = tl.multiple_of(tl.load(META_ptr + HG + slot), 4)
+    v_off = tl.multiple_of(tl.load(META_ptr + 2 * HG + slot), 4)
     bh = b * HKV + h
 
-    # Q: per-token INT8 (absmax / QMAX), rows r = g·NQ_PAD + i of query head h·GROUP + g, in K's channel parts
+    # Q: per-token INT8 (absmax / QMAX), rows r = lane·RPL + g·NQ_PAD + i of query head h·GROUP + g, in 4 parts
     offs_m = tl.arange(0, BLOCK_M)
-    g = offs_m // NQ_PAD
+    lane = offs_m // RPL
+    g = (offs_m % RPL) // NQ_PAD
     qi = offs_m % NQ_PAD
     row_ok = (g < GROUP) & (qi < NQ)
-    offs_jk = tl.arange(0, HEAD_DIM // PK)
-    offs_jv = tl.arange(0, HEAD_DIM // PV)
+    offs_i = tl.arange(0, DP)
     q_rows = Q_ptr + b.to(tl.int64) * stride_qb + (h * GROUP + g)[:, None] * stride_qh + qi[:, None] * stride_qm
     q = ()
     q_abs = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for p in tl.static_range(PK):
-        q_p = tl.load(q_rows + (offs_jk * PK + p)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    for p in tl.static_range(4):
+        q_p = tl.load(q_rows + (offs_i * 4 + p)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         q = q + (q_p,)
         q_abs = tl.maximum(q_abs, tl.max(tl.abs(q_p), 1))
     qs = tl.math.div_rn(q_abs, QMAX * 1.0)
     qs = tl.where(qs == 0.0, 1.0, qs)
     q_hat = ()
-    for p in tl.static_range(PK):
+    for p in tl.static_range(4):
         q_p = tl.minimum(tl.maximum(_rne(tl.math.div_rn(q[p], qs[:, None])), -QMAX * 1.0), QMAX * 1.0)
         q_hat = q_hat + (q_p.to(tl.float16),)
 
     nk = T * BLOCK_N + NB
     diag = qi + nk - NQ  # query i sees keys j <= i + N − Nq
     offs_n = tl.arange(0, BLOCK_N)
+    offs_wk = tl.arange(0, WK)
+    offs_wv = tl.arange(0, WV)
     kc_base = KC_ptr + k_off + b.to(tl.int64) * stride_kcb
     vc_base = VC_ptr + v_off + b.to(tl.int64) * stride_vcb
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = ()
-    for p in tl.static_range(PV):
-        acc = acc + (tl.zeros([BLOCK_M, HEAD_DIM // PV], dtype=tl.float32),)
+    for p in tl.static_range(4):
+        acc = acc + (tl.zeros([BLOCK_M, DP], dtype=tl.float32),)
     lo = pid_s * BLOCKS_PER_SPLIT
     hi = tl.minimum(lo + BLOCKS_PER_SPLIT, T)
-    for t in range(lo, hi):
-        rows = t * BLOCK_N + offs_n
-        sz = (bh * T + t).to(tl.int64) * HEAD_DIM
-        pk = tl.load(kc_base + rows[:, None] * stride_kcn + offs_jk[None, :])
-        pv = tl.load(vc_base + rows[:, None] * stride_vcn + offs_jv[None, :])
-        ks = _channel_parts(KS_ptr + sz, HEAD_DIM, PK)
-        kz = _channel_parts(KZ_ptr + sz, HEAD_DIM, PK)
+    for t0 in range(lo, hi, LANES):
+        t_row = tl.minimum(t0 + lane, hi - 1)  # each row's block (rows of blocks past hi are masked)
+        sz_row = (bh * T + t_row).to(tl.int64) * DP  # word offset of the row's s^int / z^int vectors
+        if K_SCALE_ON_Q:  # Q̂·K̂ᵀ = (Q̂ ⊙ s^int)·(X^{q2} + z^int)ᵀ: s^int goes to Q's side (rows: their block's)
+            ks_rows = tl.load(KS_ptr + sz_row[:, None] + offs_i[None, :])
+            kz_rows = tl.load(KZ_ptr + sz_row[:, None] + offs_i[None, :])
+            q_op = ()
+            bias = tl.zeros([BLOCK_M], dtype=tl.float32)  # (Q̂ ⊙ s^int)·z^int: |s^int z^int| ≤ 127, exact in fp32
+            for p in tl.static_range(4):
+                ks_p = _byte(ks_rows, p).to(tl.float16)
+                q_sp = q_hat[p] * ks_p
+                if SUB_K and p % 2 == 1:  # odd parts hold 16·code: Q̂ ⊙ s^int / 16 (exact, an integer < 2048 / 16)
+                    q_op = q_op + (q_hat[p] * (ks_p * 0.0625),)
+                else:
+                    q_op = q_op + (q_sp,)
+                bias += tl.sum(q_sp.to(tl.float32) * _byte(kz_rows, p).to(tl.float32), 1)
+        else:
+            q_op = q_hat
         s_int = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for p in tl.static_range(PK):
-            x = _codes(pk, p, BITS_K)
-            if BITS_K == 4:  # Q̂·K̂ᵀ = (Q̂ ⊙ s^int)·(X^{q2} + z^int)ᵀ: s^int goes to Q's side, no clamp on 4-bit blocks
-                k = x.to(tl.float16) + kz[p].to(tl.float16)[None, :]
-                s_int = tl.dot(q_hat[p] * ks[p].to(tl.float16)[None, :], tl.trans(k), s_int)
+        for j in tl.static_range(LANES):
+            tj = tl.minimum(t0 + j, hi - 1)
+            pk = tl.load(kc_base + (tj * BLOCK_N + offs_n)[:, None] * WK + offs_wk[None, :])
+            if not K_SCALE_ON_Q:
+                sz = (bh * T + tj).to(tl.int64) * DP
+                kz = tl.load(KZ_ptr + sz + offs_i)
+                ks = tl.load(KS_ptr + sz + offs_i)
+            s_j = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for p in tl.static_range(4):
+                if SUB_K:
+                    k = _code_part_subnormal(pk, p)
+                elif K_SCALE_ON_Q:
+                    k = _code_part(pk, p, BITS_K) - 1024.0
+                else:
+                    k = _dequant(_code_part(pk, p, BITS_K), _byte(kz, p), _byte(ks, p), BITS_K)
+                s_j = tl.dot(q_op[p], tl.trans(k), s_j)
+            if LANES == 1:
+                s_int = s_j
             else:
-                s_int = tl.dot(q_hat[p], tl.trans(_dequant(x, kz[p], ks[p], BITS_K)), s_int)
-        keep = row_ok[:, None]
+                s_int = tl.where((lane == j)[:, None], s_j, s_int)
+        if SUB_K:  # the dots summed code · 2⁻²⁴ (exact: integers < 2²⁴ times a power of two)
+            s_int = s_int * 16777216.0 + bias[:, None]
+        elif K_SCALE_ON_Q:
+            s_int += bias[:, None]
+        keep = (row_ok & (t0 + lane < hi))[:, None]
         if CAUSAL:
-            keep = keep & (rows[None, :] <= diag[:, None])
+            keep = keep & ((t_row * BLOCK_N)[:, None] + offs_n[None, :] <= diag[:, None])
         p_hat, p_scale, alpha, l_i, m_i = _softmax(
-            s_int, qs * tl.load(KBS_ptr + bh * T + t), keep, m_i, l_i, sm_scale,
-            G_PAD, NQ_PAD, PMAX, MASK,
+            s_int, qs * tl.load(KBS_ptr + bh * T + t_row), keep, m_i, l_i, sm_scale,
+            LANES * G_PAD, NQ_PAD, PMAX, MASK,
         )
-        v_scale = tl.load(VBS_ptr + bh * T + t)
-        p_sum = tl.sum(p_hat.to(tl.float32), 1)
-        vs = _channel_parts(VS_ptr + sz, HEAD_DIM, PV)
-        vz = _channel_parts(VZ_ptr + sz, HEAD_DIM, PV)
-        new = ()
-        for p in tl.static_range(PV):
-            x = _codes(pv, p, BITS_V)
-            if BITS_V == 4:  # P̂·V̂ = (P̂·X^{q2} + z^int · rowsum P̂) ⊙ s^int (no clamp acts on 4-bit blocks)
-                r = tl.math.fma(vz[p].to(tl.float32)[None, :], p_sum[:, None], tl.dot(p_hat, x.to(tl.float16)))
-                r = r * vs[p].to(tl.float32)[None, :]
+        r = ()
+        for p in tl.static_range(4):
+            r = r + (tl.zeros([BLOCK_M, DP], dtype=tl.float32),)
+        for j in tl.static_range(LANES):
+            tj = tl.minimum(t0 + j, hi - 1)
+            pv = tl.load(vc_base + (tj * BLOCK_N + offs_n)[:, None] * WV + offs_wv[None, :])
+            if LANES == 1:
+                p_j = p_hat
             else:
-                r = tl.dot(p_hat, _dequant(x, vz[p], vs[p], BITS_V))
-            new = new + (_accumulate(acc[p], r, alpha, p_scale, v_scale),)
+                p_j = tl.where((lane == j)[:, None], p_hat, 0.0).to(tl.float16)
+            if BITS_V == 2:
+                sz = (bh * T + tj).to(tl.int64) * DP
+                vz = tl.load(VZ_ptr + sz + offs_i)
+                vs = tl.load(VS_ptr + sz + offs_i)
+            new = ()
+            for p in tl.static_range(4):
+                if SUB_V:
+                    x = _code_part_subnormal(pv, p)
+                else:
+                    x = _code_part(pv, p, BITS_V)
+                if BITS_V == 2:
+                    x = _dequant(x, _byte(vz, p), _byte(vs, p), BITS_V)
+                new = new + (tl.dot(p_j, x, r[p]),)
+            r = new
+        if BITS_V == 4:  # P̂·V̂ = (P̂·(1024 + X^{q2}) + (z^int − 1024)·rowsum P̂) ⊙ s^int, exact (< 2²⁴)
+            p_sum = tl.sum(p_hat.to(tl.float32), 1)
+            vz_rows = tl.load(VZ_ptr + sz_row[:, None] + offs_i[None, :])
+            vs_rows = tl.load(VS_ptr + sz_row[:, None] + offs_i[None, :])
+            new = ()
+            for p in tl.static_range(4):
+                if SUB_V:  # r = Σ P̂ · code · 2⁻²⁴ (· 16 for odd parts), exact
+                    rp = tl.math.fma(_byte(vz_rows, p).to(tl.float32), p_sum[:, None],
+                                     r[p] * (1048576.0 if p % 2 == 1 else 16777216.0))
+                else:
+                    rp = tl.math.fma((_byte(vz_rows, p).to(tl.float32) - 1024.0), p_sum[:, None], r[p])
+                new = new + (rp * _byte(vs_rows, p).to(tl.float32),)
+            r = new
+        v_scale = tl.load(VBS_ptr + bh * T + t_row)
+        new = ()
+        for p in tl.static_range(4):
+            new = new + (_accumulate(acc[p], r[p], alpha, p_scale, v_scale),)
         acc = new
-    if (pid_s == NUM_SPLITS - 1) & (NB > 0):  # the INT8 buffer: the newest keys, universal scale per head
+    if (pid_s == NUM_SPLITS - 1) & (NB > 0):  # the INT8 buffer: the newest keys, universal scale per head; lane 0
         buf = bh.to(tl.int64) * NB * HEAD_DIM + offs_n[:, None] * HEAD_DIM
         in_buf = offs_n[:, None] < NB
         s_int = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for p in tl.static_range(PK):
-            kb = tl.load(KB_ptr + buf + (offs_jk * PK + p)[None, :], mask=in_buf, other=0)
+        for p in tl.static_range(4):
+            kb = tl.load(KB_ptr + buf + (offs_i * 4 + p)[None, :], mask=in_buf, other=0)
             s_int = tl.dot(q_hat[p], tl.trans(kb.to(tl.float16)), s_int)
-        keep = row_ok[:, None] & (offs_n[None, :] < NB)
+        keep = (row_ok & (lane == 0))[:, None] & (offs_n[None, :] < NB)
         if CAUSAL:
             keep = keep & ((T * BLOCK_N + offs_n)[None, :] <= diag[:, None])
         p_hat, p_scale, alpha, l_i, m_i = _softmax(
-            s_int, qs * tl.load(KBSC_ptr + bh), keep, m_i, l_i, sm_scale, G_PAD, NQ_PAD, PMAX, True,
+            s_int, qs * tl.load(KBSC_ptr + bh), keep, m_i, l_i, sm_scale, LANES * G_PAD, NQ_PAD, PMAX, True,
         )
-        v_scale = tl.load(VBSC_ptr + bh)
+        v_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(VBSC_ptr + bh)
         new = ()
-        for p in tl.static_range(PV):
-            vb = tl.load(VB_ptr + buf + (offs_jv * PV + p)[None, :], mask=in_buf, other=0)
+        for p in tl.static_range(4):
+            vb = tl.load(VB_ptr + buf + (offs_i * 4 + p)[None, :], mask=in_buf, other=0)
             new = new + (_accumulate(acc[p], tl.dot(p_hat, vb.to(tl.float16)), alpha, p_scale, v_scale),)
         acc = new
+    if LANES > 1:  # merge the lanes of each row: w = SAS(m_lane − max m), as the combine step merges splits
+        m2 = tl.reshape(m_i, (LANES, RPL))
+        m_max = tl.max(m2, 0)
+        w = _sas_exp(m2 - tl.where(m_max == float("-inf"), 0.0, m_max)[None, :])
+        l_i = tl.sum(w * tl.reshape(l_i, (LANES, RPL)), 0)
+        m_i = m_max
+        new = ()
+        for p in tl.static_range(4):
+            new = new + (tl.sum(tl.reshape(acc[p], (LANES, RPL, DP)) * w[:, :, None], 0),)
+        acc = new
+        offs_r = tl.arange(0, RPL)
+        g = offs_r // NQ_PAD
+        qi = offs_r % NQ_PAD
+        row_ok = (g < GROUP) & (qi < NQ)
     part = ((b * HKV * GROUP + h * GROUP + g) * NQ + qi).to(tl.int64) * NUM_SPLITS + pid_s  # (B, H, Nq, S)
     if not DIRECT:
         tl.store(MP_ptr + part, m_i, mask=row_ok)
         tl.store(LP_ptr + part, l_i, mask=row_ok)
     empty = l_i == 0.0
     o_rows = O_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + g)[:, None] * stride_oh + qi[:, None] * stride_om
-    for p in tl.static_range(PV):
-        cols = (offs_jv * PV + p)[None, :]
+    for p in tl.static_range(4):
+        cols = (offs_i * 4 + p)[None, :]
         if DIRECT:
             out = tl.where(empty[:, None], 0.0, acc[p] / tl.where(empty, 1.0, l_i)[:, None])
             tl.store(o_rows + cols, out.to(O_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -303,10 +419,16 @@ def _next_pow2(x: int) -> int:
     return 1 << max(x - 1, 0).bit_length()
 
 
-def _row_tile(group: int, nq: int) -> tuple[int, int]:
-    """``(G_PAD, NQ_PAD)``: powers of two, ``G_PAD·NQ_PAD ≥ 16`` (the smallest ``tl.dot`` M)."""
+def _row_tile(group: int, nq: int, lanes: int = 1) -> tuple[int, int]:
+    """``(G_PAD, NQ_PAD)``: powers of two, ``lanes·G_PAD·NQ_PAD ≥ 16`` (the smallest ``tl.dot`` M)."""
     nq_pad = _next_pow2(nq)
-    return max(_next_pow2(group), 16 // min(nq_pad, 16)), nq_pad
+    return max(_next_pow2(group), _next_pow2(math.ceil(16 / (lanes * nq_pad)))), nq_pad
+
+
+def _lanes(group: int, nq: int, direct: bool) -> int:
+    """Key blocks stacked in one 16-row tile (rows of different blocks are different lanes): 1 for the
+    one-split path, which follows the reference's sequential loop."""
+    return 1 if direct else max(1, 16 // (_next_pow2(group) * _next_pow2(nq)))
 
 
 @functools.lru_cache(maxsize=8)
@@ -326,6 +448,20 @@ def default_num_splits(batch: int, kv_heads: int, n_blocks: int, device: torch.d
     return max(1, min(want, n_blocks // MIN_BLOCKS_PER_SPLIT))
 
 
+@functools.lru_cache(maxsize=1)
+def _reference_config() -> AttentionConfig:
+    return decode_attention_config()
+
+
+@functools.lru_cache(maxsize=64)
+def _turbo_decode_numerics(cfg: AttentionConfig) -> bool:
+    """``cfg`` is the decode numerics up to what the kernel takes as arguments (cached: checked every step)."""
+    ref = _reference_config()
+    same = cfg.replace(block_q=ref.block_q, qk_qmax=ref.qk_qmax, pv_qmax=ref.pv_qmax,
+                       v_granularity=ref.v_granularity, two_level_accum=ref.two_level_accum, warps=ref.warps)
+    return same == ref and cfg.sas_threshold == SAS_THRESHOLD and max(cfg.pv_qmax, cfg.qk_qmax) <= 127
+
+
 def decode_unsupported(
     q: torch.Tensor,
     k_cache: CompressedKV,
@@ -335,8 +471,7 @@ def decode_unsupported(
     cfg: AttentionConfig | None = None,
 ) -> str | None:
     """Why the decode kernel cannot take this call (None if it can)."""
-    ref = decode_attention_config()
-    cfg = ref if cfg is None else cfg
+    cfg = _reference_config() if cfg is None else cfg
     b, h, nq, d = q.shape
     if d not in HEAD_DIMS or k_cache.head_dim != d or v_cache.head_dim != d:
         return f"head_dim {d} (the decode kernel takes {HEAD_DIMS})"
@@ -353,10 +488,7 @@ def decode_unsupported(
         return f"cache block {k_cache.block} / key tile {cfg.block_k} (the kernel takes 64)"
     if (k_buffer is None) != (v_buffer is None) or (k_buffer is not None and k_buffer.n_tokens >= k_cache.block):
         return "K and V buffers must both be given and hold fewer than a block"
-    same = cfg.replace(block_q=ref.block_q, qk_qmax=ref.qk_qmax,
-                       pv_qmax=ref.pv_qmax, v_granularity=ref.v_granularity, two_level_accum=ref.two_level_accum,
-                       warps=ref.warps)
-    if same != ref or cfg.block_q < nq or cfg.sas_threshold != SAS_THRESHOLD or max(cfg.pv_qmax, cfg.qk_qmax) > 127:
+    if not _turbo_decode_numerics(cfg) or cfg.block_q < nq:
         return "attention numerics other than turbo decode (Q per token, SAS, P INT8 per tile, no smoothing)"
     if k_cache.n_blocks == 0 and (k_buffer is None or k_buffer.n_tokens == 0):
         return "empty cache"
@@ -368,10 +500,19 @@ def decode_unsupported(
 
 
 def _group_meta(heads: list[int], k_codes, v_codes, device) -> torch.Tensor:
-    """int64 ``(3, H_g)``: KV head, byte offset of its K codes from the group's first, same for V."""
+    """int64 ``(3, H_g)``: KV head, int32-word offset of its K codes from the group's first, same for V."""
     k0, v0 = k_codes[heads[0]].data_ptr(), v_codes[heads[0]].data_ptr()
-    values = (*heads, *(k_codes[h].data_ptr() - k0 for h in heads), *(v_codes[h].data_ptr() - v0 for h in heads))
+    values = (*heads, *((k_codes[h].data_ptr() - k0) // 4 for h in heads),
+              *((v_codes[h].data_ptr() - v0) // 4 for h in heads))
     return _meta_tensor(values, device)
+
+
+def _words(x: torch.Tensor) -> torch.Tensor:
+    """A uint8 / int8 tensor with unit last stride read as int32 words (last dim / 4), in place (the code tensors'
+    offsets from one another are kernel arguments); other layouts are copied first."""
+    if x.stride(-1) != 1 or x.data_ptr() % 16 or any(st % 4 for st in x.stride()[:-1]):
+        x = x.contiguous().clone()
+    return x.view(torch.int32)
 
 
 @torch.library.custom_op("quantpatch::turbo_decode_attention", mutates_args=())
@@ -380,41 +521,44 @@ def turbo_decode_attention_op(
     v_codes: list[torch.Tensor], v_sint: torch.Tensor, v_zint: torch.Tensor, v_bscale: torch.Tensor,
     k_buf: torch.Tensor, k_buf_scale: torch.Tensor, v_buf: torch.Tensor, v_buf_scale: torch.Tensor,
     k_bits: list[int], v_bits: list[int], is_causal: bool, sm_scale: float, num_splits: int, out_dtype: torch.dtype,
-    qk_qmax: int, pv_qmax: int, num_warps: int, num_stages: int,
+    qk_qmax: int, pv_qmax: int, num_warps: int, num_stages: int, lanes: int,
 ) -> torch.Tensor:
     """Custom-op form of :func:`turbo_decode_attention` over the tensors of the ``CompressedKV`` and ``Int8Buffer``."""
     b, h, nq, d = q.shape
     hkv, t = k_sint.shape[1], k_sint.shape[2]
     group = h // hkv
     nb = k_buf.shape[-2]
-    g_pad, nq_pad = _row_tile(group, nq)
     splits = max(1, min(num_splits, t))
-    per_split = math.ceil(t / splits) if t else 0
+    direct = splits == 1
+    lanes = lanes or _lanes(group, nq, direct)
+    if direct and lanes != 1:
+        raise ValueError("one split takes the blocks in order (lanes=1)")
+    g_pad, nq_pad = _row_tile(group, nq, lanes)
+    per_split = lanes * math.ceil(t / splits / lanes) if t else 0
     splits = math.ceil(t / per_split) if t else 1
     out = torch.empty((b, h, nq, d), dtype=out_dtype, device=q.device)
-    direct = splits == 1
     parts = (b, h, nq, splits) if not direct else (0,)
     m_part = torch.empty(parts, dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty((*parts, d) if not direct else (0,), dtype=torch.float32, device=q.device)
+    k_sint, k_zint, v_sint, v_zint = (_words(x) for x in (k_sint, k_zint, v_sint, v_zint))
     # Tensors never read (no buffer, no blocks) still need a valid address for the launcher.
     k_buf, v_buf = (k_buf, v_buf) if nb else (k_sint, v_sint)
     for (kw, vw), heads in bit_groups(k_bits, v_bits):
-        kc, vc = k_codes[heads[0]], v_codes[heads[0]]
+        kc, vc = (k_codes[heads[0]].view(torch.int32), v_codes[heads[0]].view(torch.int32)) if t else (k_sint, v_sint)
         meta = _group_meta(heads, k_codes, v_codes, q.device)
-        kc, vc = (kc, vc) if t else (k_sint, v_sint)
         _turbo_decode_kernel[(splits, b * len(heads))](
             q, q.stride(0), q.stride(1), q.stride(2),
-            kc, kc.stride(0), kc.stride(-2), k_sint, k_zint, k_bscale,
-            vc, vc.stride(0), vc.stride(-2), v_sint, v_zint, v_bscale,
+            kc, kc.stride(0), k_sint, k_zint, k_bscale,
+            vc, vc.stride(0), v_sint, v_zint, v_bscale,
             k_buf, k_buf_scale, v_buf, v_buf_scale,
             meta,
             out, out.stride(0), out.stride(1), out.stride(2),
             m_part, l_part, acc_part,
             nq, t, nb, hkv, len(heads), per_split, splits, sm_scale,
-            HEAD_DIM=d, BLOCK_N=64, GROUP=group, G_PAD=g_pad, NQ_PAD=nq_pad, BITS_K=kw, BITS_V=vw,
-            CAUSAL=is_causal and nq > 1, ROW_MASK=nq < nq_pad, DIRECT=direct, QMAX=qk_qmax, PMAX=pv_qmax,
-            num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
+            HEAD_DIM=d, BLOCK_N=64, GROUP=group, G_PAD=g_pad, NQ_PAD=nq_pad, LANES=lanes, BITS_K=kw, BITS_V=vw,
+            CAUSAL=is_causal and nq > 1, ROW_MASK=nq < nq_pad, DIRECT=direct, QMAX=qk_qmax,
+            PMAX=pv_qmax, SUB=SUBNORMAL_CODES, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
         )
     if not direct:
         _turbo_combine_kernel[(b * h * nq,)](
@@ -427,7 +571,7 @@ def turbo_decode_attention_op(
 @turbo_decode_attention_op.register_fake
 def _(q, k_codes, k_sint, k_zint, k_bscale, v_codes, v_sint, v_zint, v_bscale, k_buf, k_buf_scale, v_buf,
       v_buf_scale, k_bits, v_bits, is_causal, sm_scale, num_splits, out_dtype, qk_qmax, pv_qmax, num_warps,
-      num_stages):
+      num_stages, lanes):
     return q.new_empty(q.shape, dtype=out_dtype)
 
 
@@ -445,6 +589,7 @@ def turbo_decode_attention(
     out_dtype: torch.dtype | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
+    lanes: int = 0,
 ) -> torch.Tensor:
     """Decode attention of ``q`` over a compressed cache: the kernel form of ``turbo_decode_attention_ref``.
 
@@ -458,6 +603,7 @@ def turbo_decode_attention(
         num_splits: splits of the key blocks (default :func:`default_num_splits`); 1 = no combine step.
         out_dtype: default ``q.dtype``.
         num_warps / num_stages: launch of the decode kernel (benchmarks sweep them).
+        lanes: key blocks stacked in one tile (0: as many as fill 16 rows; 1 with one split).
 
     Returns:
         ``o (B, H, Nq, D)`` in ``out_dtype``.
@@ -465,7 +611,7 @@ def turbo_decode_attention(
     reason = decode_unsupported(q, k_cache, v_cache, k_buffer, v_buffer, cfg)
     if reason is not None:
         raise ValueError(f"turbo decode kernel: {reason}")
-    cfg = decode_attention_config() if cfg is None else cfg
+    cfg = _reference_config() if cfg is None else cfg
     b, h, nq, d = q.shape
     hkv = k_cache.kv_heads
     if k_buffer is None:
@@ -486,7 +632,7 @@ def turbo_decode_attention(
         contiguous(k_buffer.values, torch.int8), contiguous(k_buffer.scale, torch.float32),
         contiguous(v_buffer.values, torch.int8), contiguous(v_buffer.scale, torch.float32),
         list(k_cache.bits), list(v_cache.bits), is_causal, sm_scale, num_splits, out_dtype or q.dtype,
-        cfg.qk_qmax, cfg.pv_qmax, num_warps, num_stages,
+        cfg.qk_qmax, cfg.pv_qmax, num_warps, num_stages, lanes,
     )
 
 

@@ -73,6 +73,14 @@ def _cache(kind, *, b, hkv, n, d, k_bits, v_bits, seed, appended=0):
     return parts
 
 
+def _to_cpu(x):
+    """A ``CompressedKV`` / ``Int8Buffer`` on the CPU (the reference's device)."""
+    if hasattr(x, "codes"):
+        return type(x)(tuple(c.cpu() for c in x.codes), x.int_scale.cpu(), x.int_zero.cpu(), x.block_scale.cpu(),
+                       x.bits, x.block)
+    return type(x)(x.values.cpu(), x.scale.cpu(), x.qmax)
+
+
 def _to(parts, device):
     out = []
     for blocks, buf in parts:
@@ -153,6 +161,30 @@ def test_decode_splits_are_as_accurate_as_the_reference(kind, n, nq, splits):
     ref = turbo_decode_attention_ref(q, kc, vc, k_buffer=kb, v_buffer=vb)
     (kc, kb), (vc, vb) = _to([(kc, kb), (vc, vb)], DEVICE)
     out = turbo_decode_attention(q.to(DEVICE), kc, vc, kb, vb, num_splits=splits, out_dtype=torch.float32).cpu()
+    assert rel_l1(out, exact) <= SPLIT_NOISE_FACTOR * rel_l1(ref, exact)
+
+
+@pytest.mark.parametrize("group, nq, lanes, n, splits", [(4, 1, 0, 64 * 7 + 5, 2), (4, 1, 2, 64 * 9, 3),
+                                                        (2, 2, 0, 64 * 6 + 63, 2), (4, 1, 4, 64 * 4, 1)])
+def test_decode_lanes_on_code_views_are_as_accurate_as_the_reference(group, nq, lanes, n, splits):
+    """Lanes (key blocks stacked in one 16-row tile, each row its own running state, merged like splits) on
+    the stored layout of ``turbo_compress_blocks`` (each head's codes a view of one tensor per width)."""
+    hkv, d = 2, 128
+    _, k, v = attention_inputs("outliers", batch=2, heads=hkv, kv_heads=hkv, seq_q=1, seq_k=n, head_dim=d, seed=n)
+    kc, kb = turbo_compress_kv_ref(k.to(DEVICE), (4, 4), compress_blocks=turbo_compress_blocks)
+    vc, vb = turbo_compress_kv_ref(v.to(DEVICE), (2, 4), compress_blocks=turbo_compress_blocks)
+    assert not kc.codes[1].is_contiguous()
+    q = attention_inputs("outliers", batch=2, heads=hkv * group, kv_heads=hkv, seq_q=nq, head_dim=d, seed=n)[0]
+    (kv, ks), (vv, vs) = turbo_decompress_kv_ref(kc, kb), turbo_decompress_kv_ref(vc, vb)
+    exact = attention_exact(q, (kv * ks).cpu(), (vv * vs).cpu(), is_causal=True)
+    ref = turbo_decode_attention_ref(q, *(_to_cpu(x) for x in (kc, vc)), k_buffer=_to_cpu(kb), v_buffer=_to_cpu(vb))
+    if splits == 1:
+        with pytest.raises(ValueError, match="lanes=1"):
+            turbo_decode_attention(q.to(DEVICE), kc, vc, kb, vb, num_splits=1, lanes=lanes)
+        return
+    out = turbo_decode_attention(q.to(DEVICE), kc, vc, kb, vb, num_splits=splits, lanes=lanes,
+                                 out_dtype=torch.float32).cpu()
+    assert torch.isfinite(out).all()
     assert rel_l1(out, exact) <= SPLIT_NOISE_FACTOR * rel_l1(ref, exact)
 
 
