@@ -333,15 +333,17 @@ def _epilogue(acc, AS_ptr, B_ptr, PTS_ptr, offs_m, offs_n, m_ok, n_ok, HAS_BIAS:
     return y
 
 
-# (max M, config): the first row whose max M ≥ M. ``decode`` (M ≤ DECODE_BLOCK_M): one launch of
-# :func:`_w4a8_decode_kernel`, BLOCK_N channels per program, split-K into runs of ``gps`` groups (fewer where
-# K is shorter: at most MAX_SPLIT runs), ``fused`` activation quantization, ``swap`` (wgmma orientation);
-# ``tiled``: the activation kernel, then BLOCK_M × BLOCK_N FP8 tiles over all of K. Picked on an H200 by
-# ``eval/bench_linear.py --tune`` (eval/results/bench_linear/h200/NOTES.md).
+# (max M, config): the first row whose max M ≥ M. ``decode`` (M ≤ DECODE_BLOCK_M): :func:`_w4a8_decode_kernel`,
+# BLOCK_N channels per program, split-K into runs of ``gps`` groups (longer where K is long: at most MAX_SPLIT
+# runs), ``swap`` (the wgmma orientation), ``fused``: the activation quantization in the same launch where a
+# token's row fits one DECODE_QBLOCK chunk (a longer row, read in several passes by one program, would hold
+# every GEMM program up: there the activation kernel runs first). ``tiled``: the activation kernel, then
+# BLOCK_M × BLOCK_N FP8 tiles over all of K. Picked on an H200 by ``eval/bench_linear.py --tune``
+# (eval/results/bench_linear/h200/NOTES.md, tune.csv).
 GEMM_CONFIGS = (
-    (16, dict(kernel="decode", block_n=64, gps=4, fused=1, swap=1, num_warps=4)),
-    (256, dict(kernel="tiled", block_m=128, block_n=64, num_warps=4, num_stages=4)),
-    (None, dict(kernel="tiled", block_m=128, block_n=64, num_warps=4, num_stages=3)),
+    (16, dict(kernel="decode", block_n=64, gps=8, fused=1, swap=1, num_warps=4)),
+    (256, dict(kernel="tiled", block_m=128, block_n=64, swap=0, num_warps=4, num_stages=4)),
+    (None, dict(kernel="tiled", block_m=128, block_n=64, swap=1, num_warps=4, num_stages=4)),
 )
 DECODE_BLOCK_M = 16  # the fp16 mma's row count: the decode kernel takes M ≤ 16
 MAX_SPLIT = 16  # split-K runs of the decode kernel (their partials are summed from registers)
@@ -401,7 +403,7 @@ def _x_hat_scratch(key: tuple, numel: int, device: torch.device) -> tuple[torch.
 
 
 def _launch_decode(x, x_hat, beta, qweight, scales, pts_exp, bias, y, cfg: dict) -> None:
-    """One launch of :func:`_w4a8_decode_kernel`: from ``x`` (``cfg["fused"]``) or from ``x̂, β``."""
+    """One launch of :func:`_w4a8_decode_kernel`: from ``x`` (quantization fused) if given, else from ``x̂, β``."""
     m, n, k = y.shape[0], y.shape[1], qweight.shape[1] * 2
     if m > DECODE_BLOCK_M:
         raise ValueError(f"the decode kernel takes M ≤ {DECODE_BLOCK_M} tokens, got {m}")
@@ -410,7 +412,7 @@ def _launch_decode(x, x_hat, beta, qweight, scales, pts_exp, bias, y, cfg: dict)
     bn = cfg["block_n"]
     tiles = triton.cdiv(n, bn)
     split, gps = decode_split(cfg, n, k // GROUP_SIZE)
-    fused = bool(cfg.get("fused", 0)) and x is not None
+    fused = x is not None
     counters = _scratch(key, "counters", COUNTERS + tiles, torch.int32, device)
     work = _scratch(key, "partials", split * m * n, torch.float32, device) if split > 1 else y
     if fused:
@@ -499,8 +501,8 @@ def w4a8_linear_2d(
 ) -> torch.Tensor:
     """The whole layer on ``x (M, K)`` (last dim contiguous) → ``y (M, N)`` in ``x``'s dtype.
 
-    M ≤ 16: one launch (quantization fused into the decode GEMM); larger M: :func:`quantize_activation_fp8`
-    then the tiled GEMM.
+    M ≤ 16 and K ≤ ``DECODE_QBLOCK``: one launch (quantization fused into the decode GEMM); otherwise
+    :func:`quantize_activation_fp8`, then the decode or tiled GEMM.
     """
     m, k = x.shape
     _check_operands(m, k, qweight, scales)
@@ -508,7 +510,7 @@ def w4a8_linear_2d(
     y = torch.empty((m, qweight.shape[0]), device=x.device, dtype=x.dtype)
     if m == 0 or y.shape[1] == 0:
         return y
-    if cfg["kernel"] == "decode" and cfg.get("fused", 0):
+    if cfg["kernel"] == "decode" and cfg.get("fused", 0) and k <= DECODE_QBLOCK:
         _launch_decode(x, None, None, qweight, scales, pts_exp, bias, y, cfg)
         return y
     x_hat, beta = quantize_activation_fp8(x)

@@ -169,20 +169,35 @@ def test_tiled_kernel_orientations(m, swap):
 @pytest.mark.parametrize("m", [1, 7, 16])
 @pytest.mark.parametrize("swap", [0, 1])
 @pytest.mark.parametrize("gps", [2, 5])
-def test_decode_kernel_fused_quantization(m, swap, gps):
+def test_decode_kernel_fused_quantization(m, swap, gps, monkeypatch):
     """One launch from ``x``: the first M programs quantize, the GEMM programs wait for them. The same bits
     as quantizing first (the quantization is bit-exact either way and the GEMM is the same program), within
     the reference's bound, and the flag and counts are back at 0 for the next launch."""
     n, k = 67, 5 * GROUP_SIZE
     packed, (qw, sc, pe, b) = _layer(n, k, seed=30 + m, bias=swap == 1)
     x = _randn(m, k, seed=31 + m).to(torch.bfloat16).to(DEVICE)
-    fused = wt.w4a8_linear_2d(x, qw, sc, pe, b, config=_decode_cfg(32, gps, fused=1, swap=swap))
+    with monkeypatch.context() as patch:  # fused: the activation kernel is not launched
+        patch.setattr(wt, "quantize_activation_fp8", None)
+        fused = wt.w4a8_linear_2d(x, qw, sc, pe, b, config=_decode_cfg(32, gps, fused=1, swap=swap))
     assert _counters_are_zero(fused.device)
     two_step = wt.w4a8_linear_2d(x, qw, sc, pe, b, config=_decode_cfg(32, gps, fused=0, swap=swap))
     assert torch.equal(fused, two_step)
     y_ref = w4a8_linear_ref(x.cpu(), packed, None if b is None else b.cpu(), compute_dtype=torch.float32)
     err = (fused.cpu().double() - y_ref.double()).abs()
     assert (err <= _error_bound(x.cpu(), packed, b, y_ref, torch.bfloat16)).all()
+
+
+def test_decode_fuses_only_rows_that_fit_one_chunk(monkeypatch):
+    """K above DECODE_QBLOCK: the activation kernel runs first (a multi-pass row would hold up the GEMM)."""
+    _, (qw, sc, pe, b) = _layer(40, 3 * GROUP_SIZE, seed=50)
+    x = _randn(2, 3 * GROUP_SIZE, seed=51).to(torch.float16).to(DEVICE)
+    calls = []
+    quantize = wt.quantize_activation_fp8
+    monkeypatch.setattr(wt, "quantize_activation_fp8", lambda t: calls.append(t.shape) or quantize(t))
+    cfg = _decode_cfg(32, 2, fused=1, swap=1)
+    fused = wt.w4a8_linear_2d(x, qw, sc, pe, b, config=cfg)
+    monkeypatch.setattr(wt, "DECODE_QBLOCK", 256)
+    assert not calls and torch.equal(wt.w4a8_linear_2d(x, qw, sc, pe, b, config=cfg), fused) and calls == [(2, 384)]
 
 
 @pytest.mark.gpu
