@@ -18,22 +18,29 @@ in fp16), products exact in fp32 and every partial sum an integer < 2²⁴ (``|Q
 because an INT8 ``mma`` operand cannot be transposed by ``ldmatrix``: V's codes (keys × channels) would
 go through shared memory one byte at a time.
 
-Channels by code position: byte ``j`` of a packed row holds channels ``k·j + i`` (``k = 8 / bits``) at
-bits ``bits·i``, so the codes at position ``i`` of every byte form a ``(keys, D/k)`` tile with one shift
-and one mask, and the head dim is split into those ``k`` parts (Q̂, the scales, the output accumulator):
-``S = Σ_i Q̂_i K̂_iᵀ`` (no ``(keys, D)`` tile is ever built, no reshape). 4-bit blocks need no clamp, so
-``Q̂ K̂ᵀ = (Q̂ ⊙ s^int)·(X^{q2} + z^int)ᵀ`` (``|Q̂ ⊙ s^int| ≤ 119·16`` is exact in fp16) and
-``P̂ V̂ = s^int ⊙ (P̂ X^{q2} + z^int · rowsum P̂)``: the scales act on the small side (Q's 16 rows, the
-``(rows, D)`` result) and the codes go to the dots as they are. P̂: one IEEE reciprocal per row, then
-Markstein's correction (``q = P̃·r``, ``q += (P̃ − s_P q)·r`` with FMAs) gives the IEEE quotient
-``P̃ / s_P`` itself, so P̂ is the reference's integer. The INT8 buffer (tokens not compressed yet, one
-universal scale) is the last tile of the last split (masked tail). ``Nq ≤ 16`` query tokens are causal
-bottom-right (query ``i`` sees key ``j ≤ i + N − Nq``).
+Channels in 4 parts ``4i + p`` (both widths): code rows, ``s^int`` and ``z^int`` are read as int32 words, so
+part ``p`` of an ``s^int`` / ``z^int`` row is byte ``p`` of each word, and ``S = Σ_p Q̂_p K̂_pᵀ`` (no ``(keys, D)``
+tile, no reshape of it). 4-bit codes enter the dots as fp16 subnormals: ``w & 0x000F000F`` is the bit pattern of
+``code · 2⁻²⁴`` for two channels (``0x00F000F0``: ``16 · code · 2⁻²⁴``, Q̂'s side divided by 16; one shift for two
+parts), and the dots' integer sums come back exactly by ``· 2²⁴``; 2-bit codes are ``1024 + code`` (``| 0x6400``).
+4-bit blocks need no clamp, so ``Q̂ K̂ᵀ = (Q̂ ⊙ s^int)·Xᵀ + (Q̂ ⊙ s^int)·z^int`` (the second term a per-row bias,
+``|s^int z^int| ≤ 127``, exact in fp32; ``|Q̂ ⊙ s^int| ≤ 119·16`` is exact in fp16) and ``P̂ V̂ = s^int ⊙ (P̂ X +
+z^int · rowsum P̂)``: the scales act on the small side. P̂: one IEEE reciprocal per row, then Markstein's
+correction (``q = P̃·r``, ``q += (P̃ − s_P q)·r`` with FMAs) gives the IEEE quotient ``P̃ / s_P`` itself, so P̂ is
+the reference's integer. The INT8 buffer (tokens not compressed yet, one universal scale) is the last tile of
+the last split (masked tail). ``Nq ≤ 16`` query tokens are causal bottom-right (query ``i`` sees key ``j ≤ i +
+N − Nq``).
+
+Lanes: ``G_PAD·NQ_PAD`` rows are often fewer than the 16 an ``mma`` tile has (4 at q_len 1, 4 query heads per
+KV head). Then one tile holds ``LANES`` key blocks: row ``(j, g, i)`` sees block ``t0 + j`` of each group of
+``LANES`` consecutive blocks and keeps its own running ``(m, ℓ, acc)``; ``S`` rows of lane ``j`` come from
+``K_j``, ``P̂`` masked to lane ``j`` multiplies ``V_j``, and the softmax, the scales and the accumulator update
+run once per ``LANES`` blocks. The lanes are merged at the end like splits (below).
 
 Flash-decoding: the key blocks are split over ``NUM_SPLITS`` programs per (batch, KV head); each writes
 its ``(m, ℓ, acc)`` and ``_turbo_combine_kernel`` merges them with SAS weights,
 ``O = Σ_s SAS(m_s − M)·acc_s / Σ_s SAS(m_s − M)·ℓ_s`` (the reference's own rescaling, α = SAS(Δm)).
-With one split the kernel writes ``acc / ℓ`` itself and follows the reference operation for operation:
+With one split (one lane) the kernel writes ``acc / ℓ`` itself and follows the reference operation for operation:
 the integer parts are exact, every rounding is the reference's (IEEE quotients, no FMA contraction),
 and only the float sums (ℓ, the dots' int→float) differ in order. With several splits each split's
 P̃ is taken against its own running max, as any split of the reference's sequential loop would.
@@ -64,9 +71,9 @@ from .turbo_ref import CompressedKV, Int8Buffer, decode_attention_config
 HEAD_DIMS = (64, 128)
 MAX_Q_LEN = 16
 MAX_ROWS = 128  # G_PAD · NQ_PAD rows of one program
-PROGRAMS_PER_SM = 16  # split the sequence until the grid has about this many programs per SM
+PROGRAMS_PER_SM = 8  # split the sequence until the grid has about this many programs per SM
 MIN_BLOCKS_PER_SPLIT = 4  # ≥ 256 keys per split: the partial (m, ℓ, acc) written stays small next to the codes read
-NUM_WARPS, NUM_STAGES = 2, 1  # launch of the decode kernel (the B=8, N=32k sweep on an H200: bench_decode NOTES.md)
+NUM_WARPS, NUM_STAGES = 2, 2  # launch of the decode kernel (the B=8, N=32k sweep on an H200: bench_decode NOTES.md)
 SUBNORMAL_CODES = True  # 4-bit codes enter the fp16 dots as subnormals (code · 2⁻²⁴); False: as 1024 + code
 
 
