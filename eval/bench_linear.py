@@ -21,7 +21,8 @@ over several input sets; TFLOPS = 2·M·N·K / t. Each implementation is timed t
 server runs; launch overhead gone). Ratios are the baselines' times over each row's time, same
 run and same mode (> 1: faster than the baseline). Accuracy: relative L1 against the bf16
 ``F.linear`` output on the same inputs (M = ``--acc-m`` tokens of N(0, 1), weights N(0, 0.02²)).
-``--tune`` times the GEMM's configurations instead (decode kernel for M ≤ 16, tiled above;
+``--tune`` times the layer's configurations instead (``w4a8_linear_2d``, quantization included, as
+CUDA-graph replays: GPU time; decode kernel for M ≤ 16, tiled above;
 ``tune.csv``, and ``best_table.json``: the best configuration per M bucket, which ``--configs``
 runs with). ``--device cpu`` (with
 ``--quick``) is a smoke run of the whole pipeline with a wall-clock timer.

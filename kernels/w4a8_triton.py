@@ -16,12 +16,13 @@ with ``register_fake``; launched on the current stream), reproducing :mod:`quant
       acc += P_g ⊙ σ[:, g]ᵀ            the group's e4m3 scale, per output channel, fp32
       y    = (acc ⊙ β) · 2⁻ⁿ + bias    epilogue: per-token BF16 scale, exact PTS factor, bias → out dtype
 
-  in two kernels. Decode (M ≤ 16, :func:`_w4a8_decode_kernel`): ``BLOCK_N`` output channels per
-  program streaming the packed bytes as stored, even/odd input channels as two fp16 ``mma`` dots,
-  split-K with the runs summed in a fixed order by the last program to arrive (one launch,
-  deterministic). Larger M (:func:`_w4a8_gemm_kernel`): FP8 tensor-core tiles over all of K, ``ŵ``
-  unpacked in registers (sign-extending shifts, ``tl.join``) to e4m3. ``n`` (``pts_exp``) is read
-  from device memory, so a forward never syncs the host.
+  in two kernels. Decode (M ≤ 16, :func:`_w4a8_decode_kernel`): one launch in which the first M programs
+  quantize the tokens and the GEMM programs wait for them (where a row fits one chunk), ``BLOCK_N`` output
+  channels per program over a run of groups, even/odd input channels as two fp16 tensor-core dots (transposed,
+  ``ŵ x̂ᵀ``, so the unpacked weights are wgmma's register operand), split-K runs summed in a fixed order by the
+  last program to arrive (deterministic). Larger M (:func:`_w4a8_gemm_kernel`): the activation kernel, then FP8
+  tensor-core tiles over all of K. INT4 → fp16 by bit tricks (:func:`_int4_nibbles_fp16`). ``n`` (``pts_exp``)
+  is read from device memory, so a forward never syncs the host.
 
 Configurations come from one fixed table (:func:`gemm_config`), not a run-time autotuner, so a
 given shape always runs the same program.
