@@ -9,10 +9,16 @@ One Llama-3-8B-shaped attention layer (32 query heads, 8 KV heads, D = 128) deco
 * ``turbo-ref``: ``turbo_cache_attention`` on a ``TurboLayer`` (the PyTorch reference: it dequantizes
   the cache to the INT8 grid in float32, so it is slow and large; rows it cannot hold are skipped);
 * ``turbo-triton``: the Triton decode kernel ``kernels/turbo_decode_triton.py`` (packed INT4/INT2 →
-  INT8 in registers, INT8 dots, SAS, split over the sequence, then a combine launch).
+  INT8 in registers, INT8 dots, SAS, split over the sequence, the splits merged by the last one to finish:
+  one launch per code-width group).
 
-``speedup_vs_sdpa`` divides the ``sdpa-bf16`` time by each row's, ``speedup_vs_best_sdpa`` the fastest
-SDPA backend's. ``--sweep`` first times the kernel's launch options (warps, pipeline stages, splits)
+Two times per row: ``ms`` (eager: each call launched from Python, so a call whose GPU work is shorter than
+its host launch cost is timed at the host's pace) and ``graph_ms`` (the GPU time of one call: ``GRAPH_CALLS``
+calls captured in a CUDA graph, one replay timed and divided; this is how decoding runs under CUDA graphs,
+e.g. ``generate()`` with a static cache and ``torch.compile``; calls 2-8 of a replay may find a cache smaller
+than L2 still there, for SDPA and turbo alike). ``speedup_vs_sdpa`` divides the ``sdpa-bf16``
+time by each row's (eager), ``graph_speedup_vs_sdpa`` the same for graph times, ``speedup_vs_best_sdpa`` the
+fastest SDPA backend's (eager). ``--sweep`` first times the kernel's launch options (warps, pipeline stages, splits)
 at one ``B × N`` and writes ``sweep.csv``.
 
 The compressed cache is synthesized in its stored layout (random codes, ``s^int`` ∈ [1, 16],
@@ -180,6 +186,26 @@ def sdpa_runner(impl: str, qs: list[torch.Tensor], k: torch.Tensor, v: torch.Ten
     return fn, None
 
 
+GRAPH_CALLS = 8  # decode calls captured back to back in one CUDA graph (cycling the query sets)
+
+
+def graph_runner(fn: Callable[[int], object], n_sets: int) -> Callable[[int], object]:
+    """``fn`` replayed from a CUDA graph: ``GRAPH_CALLS`` calls captured back to back (query sets in turn), so
+    that timing one replay / ``GRAPH_CALLS`` is the GPU time of a call with no host launch cost in it (how
+    ``generate()`` runs under CUDA graphs). Warm-up on the capture stream first (compilation, cached workspaces)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(n_sets):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(GRAPH_CALLS):
+            fn(i % n_sets)
+    return lambda i: graph.replay()
+
+
 def bench_ms(fn: Callable[[int], object], device: str, n_sets: int, warmup: int, rep: int) -> float:
     """Median milliseconds of ``fn(i)``, ``i`` cycling over ``n_sets`` query sets."""
     counter = iter(range(10**12))
@@ -239,7 +265,6 @@ def speed_rows(args: argparse.Namespace) -> list[dict]:
     settings = bit_settings(args)
     for b in args.batches:
         for n in args.contexts:
-            base_ms = None
             for impl in args.impls:
                 sdpa = impl.startswith("sdpa")
                 variants = [("bf16", ())] if sdpa else list(settings.items())
@@ -247,25 +272,33 @@ def speed_rows(args: argparse.Namespace) -> list[dict]:
                     row = {"impl": impl, "cache": cache, "batch": b, "context": n,
                            "kv_bytes": bf16_bytes(b, n) if sdpa else turbo_bytes(b, n, bits)}
                     if impl == "turbo-ref" and not ref_fits(b, n, args.device, args.ref_budget_gib):
-                        rows.append(row | {"ms": math.nan, "skipped": "reference temporaries exceed --ref-budget-gib"})
+                        rows.append(row | {"ms": math.nan, "graph_ms": math.nan,
+                                           "skipped": "reference temporaries exceed --ref-budget-gib"})
                         continue
                     fn, reason = make_runner(impl, b, n, bits, args.device, args.n_sets)
                     if fn is None:
-                        rows.append(row | {"ms": math.nan, "skipped": reason})
+                        rows.append(row | {"ms": math.nan, "graph_ms": math.nan, "skipped": reason})
                         continue
                     ms = bench_ms(fn, args.device, args.n_sets, args.warmup, args.rep)
-                    base_ms = ms if impl == "sdpa-bf16" else base_ms
-                    rows.append(row | {"ms": ms, "skipped": ""})
+                    graph_ms = math.nan
+                    if args.graph and args.device.startswith("cuda"):
+                        replay = graph_runner(fn, args.n_sets)
+                        graph_ms = bench_ms(replay, args.device, 1, args.warmup, args.rep) / GRAPH_CALLS
+                        del replay
+                    rows.append(row | {"ms": ms, "graph_ms": graph_ms, "skipped": ""})
                     del fn
                     if args.device.startswith("cuda"):
                         torch.cuda.empty_cache()
             here = [r for r in rows if r["batch"] == b and r["context"] == n]
             best_ms = min((r["ms"] for r in here if r["impl"].startswith("sdpa") and r["ms"] == r["ms"]),
                           default=None)
+            base = next((r for r in here if r["impl"] == "sdpa-bf16" and r["ms"] == r["ms"]), None)
+            base_ms, base_graph = (base["ms"], base["graph_ms"]) if base else (None, math.nan)
             for r in here:
                 ok = r["ms"] == r["ms"]
                 r["speedup_vs_sdpa"] = base_ms / r["ms"] if base_ms and ok else math.nan
                 r["speedup_vs_best_sdpa"] = best_ms / r["ms"] if best_ms and ok else math.nan
+                r["graph_speedup_vs_sdpa"] = base_graph / r.get("graph_ms", math.nan)
             logger.info("B=%d N=%d done", b, n)
     return rows
 
@@ -344,10 +377,14 @@ def plot(speed: list[dict], memory: list[dict], path: Path) -> None:
 
 
 def format_tables(speed: list[dict], memory: list[dict]) -> str:
-    lines = [f"{'impl':<13} {'cache':<12} {'B':>3} {'N':>6} {'ms':>10} {'x sdpa':>7} {'x best':>7} {'KV MiB':>9}  note"]
+    lines = ["eager: one call timed as Python calls it (host launch cost included where the GPU waits for it); "
+             "graph: GPU time per call, replayed from a CUDA graph", "",
+             f"{'impl':<13} {'cache':<12} {'B':>3} {'N':>6} {'eager ms':>9} {'x sdpa':>7} {'x best':>7} "
+             f"{'graph ms':>9} {'x sdpa':>7} {'KV MiB':>9}  note"]
     for r in speed:
-        lines.append(f"{r['impl']:<13} {r['cache']:<12} {r['batch']:>3} {r['context']:>6} {r['ms']:>10.4f} "
+        lines.append(f"{r['impl']:<13} {r['cache']:<12} {r['batch']:>3} {r['context']:>6} {r['ms']:>9.4f} "
                      f"{r.get('speedup_vs_sdpa', math.nan):>7.2f} {r.get('speedup_vs_best_sdpa', math.nan):>7.2f} "
+                     f"{r.get('graph_ms', math.nan):>9.4f} {r.get('graph_speedup_vs_sdpa', math.nan):>7.2f} "
                      f"{r['kv_bytes'] / 2**20:>9.2f}  {r['skipped']}")
     lines += ["", f"{'cache':<12} {'N':>6} {'GiB/seq (32 layers)':>20} {'x smaller':>9} {'max batch':>9}"]
     for r in memory:
@@ -372,6 +409,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rep", type=int, default=100, help="timing budget in ms per row")
     p.add_argument("--quick", action="store_true", help="B=1, N in {1k, 2k}: a smoke run")
     p.add_argument("--check", action="store_true", help="compare the synthetic layout with real compression first")
+    p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph timing column")
     p.add_argument("--sweep", action="store_true", help="time the Triton kernel's launch options first")
     p.add_argument("--sweep-shape", type=int, nargs=2, default=[8, 32768], metavar=("B", "N"))
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)

@@ -38,7 +38,8 @@ KV head). Then one tile holds ``LANES`` key blocks: row ``(j, g, i)`` sees block
 run once per ``LANES`` blocks. The lanes are merged at the end like splits (below).
 
 Flash-decoding: the key blocks are split over ``NUM_SPLITS`` programs per (batch, KV head); each writes
-its ``(m, ℓ, acc)`` and ``_turbo_combine_kernel`` merges them with SAS weights,
+its ``(m, ℓ, acc)``, and the last of them to finish (a ticket counter per (batch, KV head), zero between calls)
+merges them in split order (deterministic) with SAS weights,
 ``O = Σ_s SAS(m_s − M)·acc_s / Σ_s SAS(m_s − M)·ℓ_s`` (the reference's own rescaling, α = SAS(Δm)).
 With one split (one lane) the kernel writes ``acc / ℓ`` itself and follows the reference operation for operation:
 the integer parts are exact, every rounding is the reference's (IEEE quotients, no FMA contraction),
@@ -54,6 +55,7 @@ Custom op ``quantpatch::turbo_decode_attention`` (with ``register_fake``), launc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -189,11 +191,12 @@ def _turbo_decode_kernel(
     KB_ptr, KBSC_ptr, VB_ptr, VBSC_ptr,
     META_ptr,
     O_ptr, stride_ob, stride_oh, stride_om,
-    MP_ptr, LP_ptr, ACC_ptr,
+    MP_ptr, LP_ptr, ACC_ptr, CNT_ptr,
     NQ, T, NB, HKV, HG, BLOCKS_PER_SPLIT, NUM_SPLITS, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, NQ_PAD: tl.constexpr,
     LANES: tl.constexpr, BITS_K: tl.constexpr, BITS_V: tl.constexpr, CAUSAL: tl.constexpr,
     ROW_MASK: tl.constexpr, DIRECT: tl.constexpr, QMAX: tl.constexpr, PMAX: tl.constexpr, SUB: tl.constexpr,
+    S_CHUNK: tl.constexpr,
 ):
     """Split ``program_id(0)`` of (batch, group slot) ``program_id(1)``; META = (kv head, K / V code word offsets).
 
@@ -379,44 +382,63 @@ def _turbo_decode_kernel(
         g = offs_r // NQ_PAD
         qi = offs_r % NQ_PAD
         row_ok = (g < GROUP) & (qi < NQ)
-    part = ((b * HKV * GROUP + h * GROUP + g) * NQ + qi).to(tl.int64) * NUM_SPLITS + pid_s  # (B, H, Nq, S)
-    if not DIRECT:
-        tl.store(MP_ptr + part, m_i, mask=row_ok)
-        tl.store(LP_ptr + part, l_i, mask=row_ok)
-    empty = l_i == 0.0
     o_rows = O_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + g)[:, None] * stride_oh + qi[:, None] * stride_om
-    for p in tl.static_range(4):
-        cols = (offs_i * 4 + p)[None, :]
-        if DIRECT:
+    if DIRECT:
+        empty = l_i == 0.0
+        for p in tl.static_range(4):
             out = tl.where(empty[:, None], 0.0, acc[p] / tl.where(empty, 1.0, l_i)[:, None])
-            tl.store(o_rows + cols, out.to(O_ptr.dtype.element_ty), mask=row_ok[:, None])
-        else:
-            tl.store(ACC_ptr + part[:, None] * HEAD_DIM + cols, acc[p], mask=row_ok[:, None])
+            tl.store(o_rows + (offs_i * 4 + p)[None, :], out.to(O_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        row0 = ((b * HKV * GROUP + h * GROUP + g) * NQ + qi).to(tl.int64) * NUM_SPLITS  # partials (B, H, Nq, S)
+        tl.store(MP_ptr + row0 + pid_s, m_i, mask=row_ok)
+        tl.store(LP_ptr + row0 + pid_s, l_i, mask=row_ok)
+        for p in tl.static_range(4):  # acc partial of a (row, split): part-major, [4, D / 4], contiguous
+            tl.store(ACC_ptr + ((row0 + pid_s) * HEAD_DIM + p * DP)[:, None] + offs_i[None, :], acc[p],
+                     mask=row_ok[:, None])
+        # The last split of (batch, KV head) to finish merges them all, in split order (deterministic): every
+        # thread's partials are written (barrier) before the ticket is taken (release), read after it (acquire).
+        tl.debug_barrier()
+        ticket = tl.atomic_add(CNT_ptr + bh, 1, sem="acq_rel")
+        if ticket == NUM_SPLITS - 1:
+            tl.atomic_xchg(CNT_ptr + bh, 0)  # the counter is zero again for the next call
+            acc, l_i = _merge_splits(MP_ptr, LP_ptr, ACC_ptr, row0, row_ok, NUM_SPLITS, HEAD_DIM, RPL, S_CHUNK)
+            empty = l_i == 0.0
+            for p in tl.static_range(4):
+                out = tl.where(empty[:, None], 0.0, acc[p] / tl.where(empty, 1.0, l_i)[:, None])
+                tl.store(o_rows + (offs_i * 4 + p)[None, :], out.to(O_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def _turbo_combine_kernel(
-    MP_ptr, LP_ptr, ACC_ptr, O_ptr, stride_ob, stride_oh, stride_om, H, NQ, NUM_SPLITS,
-    HEAD_DIM: tl.constexpr, S_PAD: tl.constexpr,
-):
-    """Row ``program_id(0)`` of ``(B, H, Nq)``: ``O = Σ w_s acc_s / Σ w_s ℓ_s``, ``w_s = SAS(m_s − max m)``."""
-    pid = tl.program_id(0)
-    qi = pid % NQ
-    bh = pid // NQ
-    offs_s = tl.arange(0, S_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ok = offs_s < NUM_SPLITS
-    part = pid.to(tl.int64) * NUM_SPLITS + offs_s
-    m = tl.load(MP_ptr + part, mask=ok, other=float("-inf"))
-    ell = tl.load(LP_ptr + part, mask=ok, other=0.0)
-    acc = tl.load(ACC_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
-    m_max = tl.max(m, 0)
-    w = _sas_exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))
-    ell = tl.sum(w * ell, 0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(ell == 0.0, 1.0, ell)
-    out = tl.where(ell == 0.0, 0.0, out)
-    o_ptrs = O_ptr + (bh // H).to(tl.int64) * stride_ob + (bh % H) * stride_oh + qi * stride_om + offs_d
-    tl.store(o_ptrs, out.to(O_ptr.dtype.element_ty))
+def _merge_splits(MP_ptr, LP_ptr, ACC_ptr, row0, row_ok, NUM_SPLITS, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+                  S_CHUNK: tl.constexpr):
+    """``(Σ_s w_s acc_s, Σ_s w_s ℓ_s)`` over the splits' partials of ``ROWS`` rows, ``w_s = SAS(m_s − max m)``
+    (the reference's rescaling, α = SAS(Δm)), ``S_CHUNK`` splits at a time; loads bypass L1 (``.cg``: the
+    partials were written by other programs)."""
+    DP: tl.constexpr = HEAD_DIM // 4
+    offs_c = tl.arange(0, S_CHUNK)
+    offs_i = tl.arange(0, DP)
+    m_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, NUM_SPLITS, S_CHUNK):
+        ok = row_ok[:, None] & (s0 + offs_c < NUM_SPLITS)[None, :]
+        m = tl.load(MP_ptr + row0[:, None] + s0 + offs_c[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
+        m_max = tl.maximum(m_max, tl.max(m, 1))
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    ell = tl.zeros([ROWS], dtype=tl.float32)
+    acc = ()
+    for p in tl.static_range(4):
+        acc = acc + (tl.zeros([ROWS, DP], dtype=tl.float32),)
+    for s0 in range(0, NUM_SPLITS, S_CHUNK):
+        ok = row_ok[:, None] & (s0 + offs_c < NUM_SPLITS)[None, :]
+        part = row0[:, None] + s0 + offs_c[None, :]
+        w = _sas_exp(tl.load(MP_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_ref[:, None])
+        ell += tl.sum(w * tl.load(LP_ptr + part, mask=ok, other=0.0, cache_modifier=".cg"), 1)
+        new = ()
+        for p in tl.static_range(4):
+            a = tl.load(ACC_ptr + (part * HEAD_DIM + p * DP)[:, :, None] + offs_i[None, None, :], mask=ok[:, :, None],
+                        other=0.0, cache_modifier=".cg")
+            new = new + (acc[p] + tl.sum(w[:, :, None] * a, 1),)
+        acc = new
+    return acc, ell
 
 
 # --------------------------------------------------------------------------- launcher
@@ -506,7 +528,7 @@ def decode_unsupported(
     return None
 
 
-def _group_meta(heads: list[int], k_codes, v_codes, device) -> torch.Tensor:
+def _group_meta(heads: tuple[int, ...], k_codes, v_codes, device) -> torch.Tensor:
     """int64 ``(3, H_g)``: KV head, int32-word offset of its K codes from the group's first, same for V."""
     k0, v0 = k_codes[heads[0]].data_ptr(), v_codes[heads[0]].data_ptr()
     values = (*heads, *((k_codes[h].data_ptr() - k0) // 4 for h in heads),
@@ -522,19 +544,26 @@ def _words(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32)
 
 
-@torch.library.custom_op("quantpatch::turbo_decode_attention", mutates_args=())
-def turbo_decode_attention_op(
-    q: torch.Tensor, k_codes: list[torch.Tensor], k_sint: torch.Tensor, k_zint: torch.Tensor, k_bscale: torch.Tensor,
-    v_codes: list[torch.Tensor], v_sint: torch.Tensor, v_zint: torch.Tensor, v_bscale: torch.Tensor,
-    k_buf: torch.Tensor, k_buf_scale: torch.Tensor, v_buf: torch.Tensor, v_buf_scale: torch.Tensor,
-    k_bits: list[int], v_bits: list[int], is_causal: bool, sm_scale: float, num_splits: int, out_dtype: torch.dtype,
-    qk_qmax: int, pv_qmax: int, num_warps: int, num_stages: int, lanes: int,
-) -> torch.Tensor:
-    """Custom-op form of :func:`turbo_decode_attention` over the tensors of the ``CompressedKV`` and ``Int8Buffer``."""
-    b, h, nq, d = q.shape
-    hkv, t = k_sint.shape[1], k_sint.shape[2]
-    group = h // hkv
-    nb = k_buf.shape[-2]
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Launch of one call shape (cached): what depends only on shapes, widths and options."""
+
+    splits: int
+    per_split: int
+    lanes: int
+    g_pad: int
+    nq_pad: int
+    s_chunk: int  # splits merged at once by the last program
+    groups: tuple[tuple[int, int, tuple[int, ...]], ...]  # (K bits, V bits, KV heads), one launch each
+
+    @property
+    def direct(self) -> bool:
+        return self.splits == 1
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(group: int, nq: int, t: int, k_bits: tuple[int, ...], v_bits: tuple[int, ...], num_splits: int,
+          lanes: int) -> _Plan:
     splits = max(1, min(num_splits, t))
     direct = splits == 1
     lanes = lanes or _lanes(group, nq, direct)
@@ -543,36 +572,74 @@ def turbo_decode_attention_op(
     g_pad, nq_pad = _row_tile(group, nq, lanes)
     per_split = lanes * math.ceil(t / splits / lanes) if t else 0
     splits = math.ceil(t / per_split) if t else 1
+    s_chunk = max(2, min(_next_pow2(splits), 128 // (g_pad * nq_pad)))
+    groups = tuple((kw, vw, tuple(heads)) for (kw, vw), heads in bit_groups(k_bits, v_bits))
+    return _Plan(splits, per_split, lanes, g_pad, nq_pad, s_chunk, groups)
+
+
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, ...]] = {}
+MAX_WORKSPACES = 16
+
+
+def _workspace(device: torch.device, parts: int, d: int, counters: int) -> tuple[torch.Tensor, ...]:
+    """``(m, ℓ, acc, counters)`` for the splits' partials, kept per (device, stream, size): the counters are
+    zero between calls (the last split of each (batch, KV head) resets its own), so they are allocated once;
+    per stream, so that calls on two streams never share one (a CUDA-graph capture reuses its stream's)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, parts, d, counters)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        if len(_WORKSPACES) >= MAX_WORKSPACES:
+            _WORKSPACES.pop(next(iter(_WORKSPACES)))
+        flat = torch.empty(parts * (2 + d), dtype=torch.float32, device=device)
+        ws = (flat[:parts], flat[parts:2 * parts], flat[2 * parts:],
+              torch.zeros(counters, dtype=torch.int32, device=device))
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def _decode(
+    q: torch.Tensor, k_codes: list[torch.Tensor], k_sint: torch.Tensor, k_zint: torch.Tensor, k_bscale: torch.Tensor,
+    v_codes: list[torch.Tensor], v_sint: torch.Tensor, v_zint: torch.Tensor, v_bscale: torch.Tensor,
+    k_buf: torch.Tensor, k_buf_scale: torch.Tensor, v_buf: torch.Tensor, v_buf_scale: torch.Tensor,
+    k_bits: list[int], v_bits: list[int], is_causal: bool, sm_scale: float, num_splits: int, out_dtype: torch.dtype,
+    qk_qmax: int, pv_qmax: int, num_warps: int, num_stages: int, lanes: int,
+) -> torch.Tensor:
+    """One launch per code-width group (one in all for a uniform cache); the splits merge in the kernel."""
+    b, h, nq, d = q.shape
+    hkv, t = k_sint.shape[1], k_sint.shape[2]
+    nb = k_buf.shape[-2]
+    plan = _plan(h // hkv, nq, t, tuple(k_bits), tuple(v_bits), num_splits, lanes)
     out = torch.empty((b, h, nq, d), dtype=out_dtype, device=q.device)
-    parts = (b, h, nq, splits) if not direct else (0,)
-    m_part = torch.empty(parts, dtype=torch.float32, device=q.device)
-    l_part = torch.empty_like(m_part)
-    acc_part = torch.empty((*parts, d) if not direct else (0,), dtype=torch.float32, device=q.device)
+    if plan.direct:  # never read: any valid address
+        m_part = l_part = acc_part = counters = out
+    else:
+        m_part, l_part, acc_part, counters = _workspace(q.device, b * h * nq * plan.splits, d, b * hkv)
     k_sint, k_zint, v_sint, v_zint = (_words(x) for x in (k_sint, k_zint, v_sint, v_zint))
     # Tensors never read (no buffer, no blocks) still need a valid address for the launcher.
     k_buf, v_buf = (k_buf, v_buf) if nb else (k_sint, v_sint)
-    for (kw, vw), heads in bit_groups(k_bits, v_bits):
+    for kw, vw, heads in plan.groups:
         kc, vc = (k_codes[heads[0]].view(torch.int32), v_codes[heads[0]].view(torch.int32)) if t else (k_sint, v_sint)
-        meta = _group_meta(heads, k_codes, v_codes, q.device)
-        _turbo_decode_kernel[(splits, b * len(heads))](
+        _turbo_decode_kernel[(plan.splits, b * len(heads))](
             q, q.stride(0), q.stride(1), q.stride(2),
             kc, kc.stride(0), k_sint, k_zint, k_bscale,
             vc, vc.stride(0), v_sint, v_zint, v_bscale,
             k_buf, k_buf_scale, v_buf, v_buf_scale,
-            meta,
+            _group_meta(heads, k_codes, v_codes, q.device),
             out, out.stride(0), out.stride(1), out.stride(2),
-            m_part, l_part, acc_part,
-            nq, t, nb, hkv, len(heads), per_split, splits, sm_scale,
-            HEAD_DIM=d, BLOCK_N=64, GROUP=group, G_PAD=g_pad, NQ_PAD=nq_pad, LANES=lanes, BITS_K=kw, BITS_V=vw,
-            CAUSAL=is_causal and nq > 1, ROW_MASK=nq < nq_pad, DIRECT=direct, QMAX=qk_qmax,
-            PMAX=pv_qmax, SUB=SUBNORMAL_CODES, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
-        )
-    if not direct:
-        _turbo_combine_kernel[(b * h * nq,)](
-            m_part, l_part, acc_part, out, out.stride(0), out.stride(1), out.stride(2), h, nq, splits,
-            HEAD_DIM=d, S_PAD=_next_pow2(splits), num_warps=4, enable_fp_fusion=False,
+            m_part, l_part, acc_part, counters,
+            nq, t, nb, hkv, len(heads), plan.per_split, plan.splits, sm_scale,
+            HEAD_DIM=d, BLOCK_N=64, GROUP=h // hkv, G_PAD=plan.g_pad, NQ_PAD=plan.nq_pad, LANES=plan.lanes,
+            BITS_K=kw, BITS_V=vw, CAUSAL=is_causal and nq > 1, ROW_MASK=nq < plan.nq_pad, DIRECT=plan.direct,
+            QMAX=qk_qmax, PMAX=pv_qmax, SUB=SUBNORMAL_CODES, S_CHUNK=plan.s_chunk,
+            num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
         )
     return out
+
+
+# Custom-op form over the tensors of the ``CompressedKV`` and ``Int8Buffer``: what ``torch.compile`` traces
+# (eager calls go to ``_decode`` directly).
+turbo_decode_attention_op = torch.library.custom_op("quantpatch::turbo_decode_attention", _decode, mutates_args=())
 
 
 @turbo_decode_attention_op.register_fake
@@ -597,6 +664,7 @@ def turbo_decode_attention(
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
     lanes: int = 0,
+    check: bool = True,
 ) -> torch.Tensor:
     """Decode attention of ``q`` over a compressed cache: the kernel form of ``turbo_decode_attention_ref``.
 
@@ -607,40 +675,44 @@ def turbo_decode_attention(
         k_buffer / v_buffer: ``Int8Buffer`` ``(B, Hkv, Nb < 64, D)`` or None.
         cfg: the decode numerics (default ``decode_attention_config()``); see :func:`decode_unsupported`.
         is_causal: bottom-right causal among the ``Nq`` query tokens.
-        num_splits: splits of the key blocks (default :func:`default_num_splits`); 1 = no combine step.
+        num_splits: splits of the key blocks (default :func:`default_num_splits`); 1 = the kernel follows the
+            reference's sequential loop, more = the last split of each (batch, KV head) merges them.
         out_dtype: default ``q.dtype``.
         num_warps / num_stages: launch of the decode kernel (benchmarks sweep them).
         lanes: key blocks stacked in one tile (0: as many as fill 16 rows; 1 with one split).
+        check: False where the caller has just run :func:`decode_unsupported` on the same arguments.
 
     Returns:
         ``o (B, H, Nq, D)`` in ``out_dtype``.
     """
-    reason = decode_unsupported(q, k_cache, v_cache, k_buffer, v_buffer, cfg)
-    if reason is not None:
+    if check and (reason := decode_unsupported(q, k_cache, v_cache, k_buffer, v_buffer, cfg)) is not None:
         raise ValueError(f"turbo decode kernel: {reason}")
-    cfg = _reference_config() if cfg is None else cfg
     b, h, nq, d = q.shape
-    hkv = k_cache.kv_heads
     if k_buffer is None:
+        hkv = k_cache.kv_heads
         empty = torch.zeros((b, hkv, 0, d), dtype=torch.int8, device=q.device)
         k_buffer = v_buffer = Int8Buffer(empty, torch.ones((b, hkv, 1, 1), device=q.device))
     if num_splits is None:
-        num_splits = default_num_splits(b, hkv, k_cache.n_blocks, q.device)
+        num_splits = default_num_splits(b, k_cache.kv_heads, k_cache.n_blocks, q.device)
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-
-    def contiguous(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return x.to(dtype).contiguous()
-
-    return turbo_decode_attention_op(
-        q, list(k_cache.codes), contiguous(k_cache.int_scale, torch.int8), contiguous(k_cache.int_zero, torch.int8),
-        contiguous(k_cache.block_scale, torch.float32),
-        list(v_cache.codes), contiguous(v_cache.int_scale, torch.int8), contiguous(v_cache.int_zero, torch.int8),
-        contiguous(v_cache.block_scale, torch.float32),
-        contiguous(k_buffer.values, torch.int8), contiguous(k_buffer.scale, torch.float32),
-        contiguous(v_buffer.values, torch.int8), contiguous(v_buffer.scale, torch.float32),
+    cfg = _reference_config() if cfg is None else cfg
+    args = (
+        q, list(k_cache.codes), _as(k_cache.int_scale, torch.int8), _as(k_cache.int_zero, torch.int8),
+        _as(k_cache.block_scale, torch.float32),
+        list(v_cache.codes), _as(v_cache.int_scale, torch.int8), _as(v_cache.int_zero, torch.int8),
+        _as(v_cache.block_scale, torch.float32),
+        _as(k_buffer.values, torch.int8), _as(k_buffer.scale, torch.float32),
+        _as(v_buffer.values, torch.int8), _as(v_buffer.scale, torch.float32),
         list(k_cache.bits), list(v_cache.bits), is_causal, sm_scale, num_splits, out_dtype or q.dtype,
         cfg.qk_qmax, cfg.pv_qmax, num_warps, num_stages, lanes,
     )
+    # The custom op is what torch.compile traces; eagerly its dispatch costs more host time than the launch.
+    return turbo_decode_attention_op(*args) if torch.compiler.is_compiling() else _decode(*args)
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``, contiguous (itself when it already is)."""
+    return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
 
 
 __all__ = ["decode_unsupported", "default_num_splits", "turbo_decode_attention"]

@@ -572,7 +572,7 @@ def turbo_cache_attention(
         parts = (layer.k_blocks, layer.v_blocks, layer.k_buffer, layer.v_buffer)
         reason = "attn_mask" if attn_mask is not None else decode_unsupported(query, *parts, cfg)
         if reason is None:
-            return turbo_decode_attention(query, *parts, cfg=cfg, is_causal=is_causal, scale=scale)
+            return turbo_decode_attention(query, *parts, cfg=cfg, is_causal=is_causal, scale=scale, check=False)
         fall_back("TurboCache decode kernel", reason, strict=False, to="the PyTorch reference")
     k_q, v_q = layer.quantized(torch.float32)
     # k only supplies shapes, and K itself to smooth_q's ΔS (off in turbo): skip the float copy otherwise.

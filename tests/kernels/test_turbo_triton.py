@@ -30,7 +30,7 @@ import torch
 
 from quantpatch.kernels.attention_ref import attention_exact
 from quantpatch.kernels.turbo_compress_triton import turbo_compress_blocks, turbo_compress_int8_blocks
-from quantpatch.kernels.turbo_decode_triton import decode_unsupported, turbo_decode_attention
+from quantpatch.kernels.turbo_decode_triton import _WORKSPACES, decode_unsupported, turbo_decode_attention
 from quantpatch.kernels.turbo_ref import (
     decode_attention_config,
     turbo_append_ref,
@@ -186,6 +186,18 @@ def test_decode_lanes_on_code_views_are_as_accurate_as_the_reference(group, nq, 
                                  out_dtype=torch.float32).cpu()
     assert torch.isfinite(out).all()
     assert rel_l1(out, exact) <= SPLIT_NOISE_FACTOR * rel_l1(ref, exact)
+
+
+def test_decode_split_merge_in_the_launch_is_deterministic_and_resets_its_counters():
+    """The last split of each (batch, KV head) merges the partials in split order: the same call twice gives the
+    same bits, and every ticket counter is back at zero for the next call (mixed widths: two launches)."""
+    (kc, kb), (vc, vb) = _to(_cache("randn", b=2, hkv=2, n=64 * 6 + 5, d=64, k_bits=(4, 2), v_bits=(4, 4), seed=5),
+                             DEVICE)
+    q = torch.randn(2, 8, 1, 64, device=DEVICE)
+    first, second = (turbo_decode_attention(q, kc, vc, kb, vb, num_splits=3, out_dtype=torch.float32)
+                     for _ in range(2))
+    assert torch.equal(first, second)
+    assert _WORKSPACES and all(int(ws[-1].abs().sum()) == 0 for ws in _WORKSPACES.values())
 
 
 def test_decode_bf16_output_is_the_float32_output_rounded():
