@@ -3,6 +3,9 @@
 For B=4, H=32, D ∈ {64, 128}, N ∈ {1k … 32k}, causal and not, bf16 inputs:
 
 * ``e2e``: ``quantpatch.attention(q, k, v, mode=...)`` from bf16 (quantization included);
+* ``e2e-graph`` / ``graph``: the same call (mode / SDPA baseline) captured in a CUDA graph and
+  replayed: the GPU time of every launch without the host's launch cost (which bounds the
+  eager rows at short lengths); its ratios are against the baselines' graph rows;
 * ``quant``: the quantization pass alone (``quantpatch::quantize_qkv``);
 * ``kernel``: the attention kernel alone on pre-quantized operands;
 * ``sdpa-flash`` / ``sdpa-cudnn``: ``F.scaled_dot_product_attention`` under
@@ -85,6 +88,22 @@ def bench(fn: Callable[[int], object], n_sets: int, warmup: int, rep: int) -> fl
                                          return_mode="median"))
 
 
+def graph_bench(fn: Callable[[int], object], n_sets: int, warmup: int, rep: int) -> float:
+    """:func:`bench` of ``fn(i)`` captured once per input set in a CUDA graph and replayed."""
+    graphs = []
+    for i in range(n_sets):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile / warm up outside the capture
+            fn(i)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(i)
+        graphs.append(graph)
+    return bench(lambda i: graphs[i].replay(), n_sets, warmup, rep)
+
+
 def machine_info() -> dict:
     return environment_info("cuda" if torch.cuda.is_available() else "cpu", REPO_ROOT)
 
@@ -129,14 +148,18 @@ def speed_rows(args) -> list[dict]:
             try:
                 fn(*sets[0])
                 add(name, "kernel", bench(lambda i, fn=fn: fn(*sets[i]), n_sets, args.warmup, args.rep))
+                add(name, "graph", graph_bench(lambda i, fn=fn: fn(*sets[i]), n_sets, args.warmup, args.rep))
             except RuntimeError as err:  # a backend that cannot take the shape
                 logger.warning("%s failed at D=%d N=%d: %s", name, d, n, err)
         for mode in args.modes:
             cfg = mode_config(mode)
             opts = fast_paths.quant_options(cfg)
             blocks = fast_paths.kernel_blocks(cfg, d)
-            add(mode, "e2e", bench(lambda i, c=cfg: qp.attention(*sets[i], mode=c, is_causal=causal, strict=True),
-                                   n_sets, args.warmup, args.rep))
+            def e2e(i, c=cfg):
+                return qp.attention(*sets[i], mode=c, is_causal=causal, strict=True)
+
+            add(mode, "e2e", bench(e2e, n_sets, args.warmup, args.rep))
+            add(mode, "e2e-graph", graph_bench(e2e, n_sets, args.warmup, args.rep))
             add(mode, "quant", bench(lambda i, o=opts: fast_paths.quantize_qkv_op(*sets[i], **o), n_sets,
                                      args.warmup, args.rep))
             parts = [fast_paths.quantize_qkv_op(*s, **opts) for s in sets]
@@ -146,8 +169,10 @@ def speed_rows(args) -> list[dict]:
             add(mode, "kernel", bench(lambda i, p=parts, e=extra: fast_paths.attn_qk_int8_pv_fp8_op(*p[i], *e),
                                       n_sets, args.warmup, args.rep))
             parts = None
-        ref = {r["impl"]: r["ms"] for r in shape_rows if r["impl"] in BASELINES}
+        eager = {r["impl"]: r["ms"] for r in shape_rows if r["impl"] in BASELINES and r["kind"] == "kernel"}
+        graphed = {r["impl"]: r["ms"] for r in shape_rows if r["impl"] in BASELINES and r["kind"] == "graph"}
         for r in shape_rows:
+            ref = graphed if r["kind"] in ("graph", "e2e-graph") else eager
             r["vs_cudnn"] = ref["sdpa-cudnn"] / r["ms"] if "sdpa-cudnn" in ref and r["kind"] != "quant" else ""
             r["vs_flash"] = ref["sdpa-flash"] / r["ms"] if "sdpa-flash" in ref and r["kind"] != "quant" else ""
             print(f"D={d:3d} N={n:5d} causal={int(causal)} {r['impl']:>11s} {r['kind']:>6s} {r['ms']:9.3f} ms "
@@ -266,10 +291,10 @@ def plot(rows: list[dict], path: Path) -> None:
     panels = sorted({(r["head_dim"], r["causal"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (d, c) in zip(axes[0], panels):
-        sel = [r for r in rows if r["head_dim"] == d and r["causal"] == c and r["kind"] != "quant"]
+        sel = [r for r in rows if r["head_dim"] == d and r["causal"] == c and r["kind"] not in ("quant", "graph")]
         for impl, kind in sorted({(r["impl"], r["kind"]) for r in sel}):
             pts = sorted((r["seq_len"], r["tflops"]) for r in sel if r["impl"] == impl and r["kind"] == kind)
-            style = "--" if kind == "kernel" and impl not in BASELINES else "-"
+            style = {"kernel": "--", "e2e-graph": ":"}.get(kind, "-") if impl not in BASELINES else "-"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3,
                     label=impl if impl in BASELINES else f"{impl} {kind}")
         ax.set_xscale("log", base=2)

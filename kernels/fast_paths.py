@@ -164,21 +164,23 @@ def _(q, k, v, qk_format, qk_granularity, qk_qmax, smooth_q, smooth_k, smooth_v,
                            pad_to=pad_to)
 
 
-@torch.library.custom_op("quantpatch::attn_qk_int8_pv_fp8", mutates_args=())
-def attn_qk_int8_pv_fp8_op(
+def _attend(
     q_hat: torch.Tensor, q_scale: torch.Tensor, q_mean: torch.Tensor, k_hat: torch.Tensor, k_scale: torch.Tensor,
     k_mean: torch.Tensor, delta_s: torch.Tensor, v_hat_t: torch.Tensor, v_scale: torch.Tensor, v_mean: torch.Tensor,
     nk: int, is_causal: bool, sm_scale: float, return_lse: bool, out_dtype: torch.dtype, block_q: int,
     l_from_quantized_p: bool, two_level_accum: bool, block_m: int, block_n: int, num_warps: int, num_stages: int,
     turbo: bool, p_qmax: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Custom-op form of :func:`attn_qk_int8_pv_fp8` over the fields of ``QuantizedQKV``."""
+    """:func:`attn_qk_int8_pv_fp8` over the fields of ``QuantizedQKV`` (the custom op's body)."""
     x = QuantizedQKV(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean)
     return attn_qk_int8_pv_fp8(
         x, nk, is_causal=is_causal, sm_scale=sm_scale, return_lse=return_lse, out_dtype=out_dtype, block_q=block_q,
         l_from_quantized_p=l_from_quantized_p, two_level_accum=two_level_accum, block_m=block_m, block_n=block_n,
         num_warps=num_warps, num_stages=num_stages, turbo=turbo, p_qmax=p_qmax,
     )
+
+
+attn_qk_int8_pv_fp8_op = torch.library.custom_op("quantpatch::attn_qk_int8_pv_fp8", _attend, mutates_args=())
 
 
 @attn_qk_int8_pv_fp8_op.register_fake
@@ -204,7 +206,8 @@ def quantized_attention(
     return_lse: bool = False,
     blocks: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize then attend through the two custom ops.
+    """Quantize then attend: through the two custom ops while ``torch.compile`` traces, by direct
+    calls in eager mode (the same functions; the dispatcher's per-call cost is skipped).
 
     Args:
         q: ``(B, H, Nq, D)``; k, v: ``(B, Hkv, Nk, D)``, fp16/bf16, head_dim contiguous.
@@ -214,14 +217,16 @@ def quantized_attention(
     Returns:
         ``o (B, H, Nq, D)`` in ``q``'s dtype, ``lse (B, H, Nq)`` float32 (empty unless asked).
     """
-    parts = quantize_qkv_op(q, k, v, **quant_options(cfg))
+    compiling = torch.compiler.is_compiling()
+    quantize = quantize_qkv_op if compiling else quantize_qkv
+    parts = quantize(q, k, v, **quant_options(cfg))
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     kb = kernel_blocks(cfg, q.shape[-1]) if blocks is None else blocks
-    o, lse = attn_qk_int8_pv_fp8_op(
-        *parts, k.shape[2], is_causal, sm_scale, return_lse, q.dtype, cfg.block_q, cfg.l_from_quantized_p,
-        cfg.two_level_accum, kb["block_m"], kb["block_n"], kb["num_warps"], kb["num_stages"], cfg.exp == "sas",
-        cfg.pv_qmax,
-    )
+    options = (k.shape[2], is_causal, sm_scale, return_lse, q.dtype, cfg.block_q, cfg.l_from_quantized_p,
+               cfg.two_level_accum, kb["block_m"], kb["block_n"], kb["num_warps"], kb["num_stages"],
+               cfg.exp == "sas", cfg.pv_qmax)
+    attend = attn_qk_int8_pv_fp8_op if compiling else _attend
+    o, lse = attend(*parts, *options)
     if return_lse and cfg.smooth_k:  # the kernel's LSE is that of the K-smoothed scores
         lse = lse + sm_scale * smooth_k_lse_shift(q.float(), parts[5])
     return o, lse
