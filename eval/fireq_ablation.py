@@ -8,10 +8,19 @@
 The model is calibrated once (the statistics come from the unconverted model, so every
 variant shares them); each variant reloads the model, converts it with its own switches and
 is scored with ``eval/perplexity.py``'s sliding-window perplexity. Attention per variant:
-``float`` (the model's own), ``fp8`` (the ``fireq`` FP8 prefill attention) or ``kv4`` (K and V
-through FireQ's INT4 per-token cache with online CRS, Q and P̃ in FP8, attended by every
-query: :func:`quantpatch.convert.fireq_attention_ref`). The attention runs through a
-temporary ``AttentionInterface`` registration (:func:`fireq_attention`), evaluation only.
+``float`` (the model's own), ``fp8`` (the ``fireq`` FP8 prefill attention with online CRS),
+``kv4`` (K and V through FireQ's INT4 per-token cache with online CRS, Q and P̃ in FP8,
+attended by every query: :func:`quantpatch.convert.fireq_attention_ref`), or ``kv4-k`` /
+``kv4-v`` (only K, or only V, replaced by its INT4 cache operand ``e4m3(x̂ σ)``, float
+attention otherwise: where the INT4 cost comes from). The attention runs through a temporary
+``AttentionInterface`` registration (:func:`fireq_attention`), evaluation only.
+
+Why every query attends to the INT4 cache in ``kv4``: FireQ's own prefill kernel reads FP8
+K/V (App. D: "quantized in FP8 (not in INT4) for the prefill phase"), so a served forward
+over a window never reads the INT4 cache; yet the paper's WikiText-2 ablation (Table 3) moves
+with RPN and CRS, which only change INT4 key quantization, so its perplexity attends to INT4
+K/V for every token, as a decode would. ``--checkpoint`` scores both: the ``kv4`` headline
+and ``checkpoint-served`` (the loaded model's own patched attention, FP8 prefill).
 """
 
 from __future__ import annotations
@@ -51,11 +60,27 @@ def _perplexity_module():
     return sys.modules[name]
 
 
+def int4_only_attention(query, key, value, crs, which: str, *, is_causal: bool, scale, attn_mask):
+    """Float attention after online CRS with only K (``which="k"``) or only V (``"v"``) through the INT4 cache."""
+    from quantpatch.api import attention
+    from quantpatch.convert import apply_online_crs
+    from quantpatch.kernels.fireq_ref import dequantize_kv_cache, quantize_kv_cache
+
+    query, key = apply_online_crs(query, key, crs)
+    if which == "k":
+        key = dequantize_kv_cache(quantize_kv_cache(key)).to(key.dtype)
+    else:
+        value = dequantize_kv_cache(quantize_kv_cache(value)).to(value.dtype)
+    return attention(query, key, value, mode="off", is_causal=is_causal, scale=scale, attn_mask=attn_mask)
+
+
 @contextlib.contextmanager
-def fireq_attention(model, *, kv_int4: bool = True, fp8: bool = True, kv_operand: str = "fp8"):
+def fireq_attention(model, *, kv_int4: bool = True, fp8: bool = True, kv_operand: str = "fp8",
+                    int4_only: str | None = None):
     """Run ``model``'s attention through :func:`fireq_attention_ref` (CRS from the module's buffers) inside the block.
 
-    Registers a fresh ``AttentionInterface`` key (with the sdpa mask) and restores the model's
+    ``int4_only`` (``"k"`` or ``"v"``) runs :func:`int4_only_attention` instead. Registers a
+    fresh ``AttentionInterface`` key (with the sdpa mask) and restores the model's
     implementation and the global registries on exit.
     """
     from transformers import AttentionInterface
@@ -65,6 +90,11 @@ def fireq_attention(model, *, kv_int4: bool = True, fp8: bool = True, kv_operand
         buffers = crs_buffers(module)
         causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
         causal = causal and attention_mask is None and query.shape[2] > 1
+        if int4_only:
+            crs = None if buffers is None else buffers[0]
+            out = int4_only_attention(query, key, value, crs, int4_only, is_causal=causal, scale=scaling,
+                                      attn_mask=attention_mask)
+            return out.transpose(1, 2).contiguous(), None
         out = fireq_attention_ref(query, key, value, None if buffers is None else buffers[0], kv_int4=kv_int4,
                                   fp8=fp8, kv_operand=kv_operand, is_causal=causal, scale=scaling,
                                   attn_mask=attention_mask)
@@ -88,7 +118,8 @@ class Variant:
     """One ablation row: which linear/KV techniques are on and how attention runs.
 
     ``attention``: ``float`` (the model's own), ``fp8`` (``fireq`` FP8 prefill), ``kv4`` (INT4 K/V
-    cache read with FireQ's decode numerics). ``crs_pairs``: outlier pairs per head (8; the
+    cache read with FireQ's decode numerics), ``kv4-k`` / ``kv4-v`` (only K / only V through the
+    INT4 cache, float attention otherwise). ``crs_pairs``: outlier pairs per head (8; the
     CRS-only row uses every pair, FireQ App. E.2's "64 outlier channels" case).
     """
 
@@ -121,6 +152,13 @@ VARIANTS = {
     for v in [
         Variant("fp"),
         Variant("fp8-attn", attention="fp8"),
+        # the issue's cumulative order (RTN, +CAS, +PTS, +RPN, +CRS, then +INT4 KV = full) with
+        # the fireq FP8 prefill attention (the recipe's attention before the INT4 cache is read)
+        Variant("rtn/fp8", linear=True, attention="fp8"),
+        Variant("rtn+cas/fp8", linear=True, cas=True, attention="fp8"),
+        Variant("rtn+cas+pts/fp8", **LIN, attention="fp8"),
+        Variant("rtn+cas+pts+rpn/fp8", **LIN, kv=True, rpn=True, attention="fp8"),
+        Variant("rtn+cas+pts+rpn+crs/fp8", **LIN, kv=True, rpn=True, crs=True, attention="fp8"),
         # linears alone (attention in float)
         Variant("rtn", linear=True),
         Variant("rtn+cas", linear=True, cas=True),
@@ -133,13 +171,17 @@ VARIANTS = {
         Variant("full-alpha8", **FULL, options=PAPER_AB),
         Variant("full-kv-exact", **FULL, kv_operand="exact"),
         Variant("full-w-lut", **FULL, options={"weight_operand": "lut"}),
+        # FireQ §3.1.2 sets "Λ1" of its Fig. 1 to a constant without naming the site: either reading
         Variant("full-cas-no-o", **FULL, options={"cas_sites": ["qkv", "gate_up", "down"]}),
+        Variant("full-cas-no-qkv", **FULL, options={"cas_sites": ["o", "gate_up", "down"]}),
         # KV cache alone (float linears)
         Variant("kv4", **KV),
         Variant("kv4+rpn", **KV, rpn=True),
         Variant("kv4+rpn-alpha8", **KV, rpn=True, options=PAPER_AB),
         Variant("kv4+crs-all", **KV, crs=True, crs_pairs=1 << 16),
         Variant("kv4+rpn+crs", **KV, rpn=True, crs=True),
+        Variant("kv4-k-only+rpn+crs", kv=True, rpn=True, crs=True, attention="kv4-k"),
+        Variant("kv4-v-only+rpn+crs", kv=True, rpn=True, crs=True, attention="kv4-v"),
         # no smoothing at all, and the components that helped on pydoc-llama-21m alone
         Variant("rtn+kv4", linear=True, **KV),
         Variant("rtn+pts+kv4+rpn", linear=True, pts=True, **KV, rpn=True),
@@ -162,7 +204,8 @@ def run_variant(variant: Variant, args, stats, ids, ppl) -> dict:
             if isinstance(m, W4A8Linear):
                 m.cache_unpacked = True  # unpack each weight once (reference path on CPU)
     ctx = contextlib.nullcontext() if variant.attention == "float" else fireq_attention(
-        model, kv_int4=variant.attention == "kv4", fp8=True, kv_operand=variant.kv_operand)
+        model, kv_int4=variant.attention == "kv4", fp8=True, kv_operand=variant.kv_operand,
+        int4_only=variant.attention.removeprefix("kv4-") if variant.attention.startswith("kv4-") else None)
     with ctx:
         value = ppl.perplexity(model, ids, args.window, None, desc=variant.name)
     return {"ppl": value, "seconds": time.perf_counter() - start, **asdict(variant)}
@@ -211,16 +254,22 @@ def main(argv: list[str] | None = None) -> dict:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).with_suffix(".partial.json").write_text(json.dumps(results, indent=2))
     if args.checkpoint:  # the acceptance path: `quantpatch calibrate` → quantpatch.load → full recipe
-        start = time.perf_counter()
-        model = load(args.checkpoint, base_model=args.model)
-        for m in model.modules():
-            if isinstance(m, W4A8Linear):
-                m.cache_unpacked = True
-        with fireq_attention(model, kv_int4=True, fp8=True):
-            value = ppl.perplexity(model, ids, args.window, None, desc="checkpoint")
-        results["checkpoint"] = {"ppl": value, "seconds": time.perf_counter() - start, "name": "checkpoint",
-                                 "path": args.checkpoint, "options": model._quantpatch_state.options.to_dict()}
-        logger.info("%-22s ppl %.3f", "checkpoint", value)
+        for name, served in (("checkpoint", False), ("checkpoint-served", True)):
+            start = time.perf_counter()
+            model = load(args.checkpoint, base_model=args.model, patch_attention=served)
+            for m in model.modules():
+                if isinstance(m, W4A8Linear):
+                    m.cache_unpacked = True
+            # headline: every query attends to the INT4 cache (module docstring); served: the
+            # loaded model's own patched attention (FP8 prefill, the cache is written, not read)
+            ctx = contextlib.nullcontext() if served else fireq_attention(model, kv_int4=True, fp8=True)
+            with ctx:
+                value = ppl.perplexity(model, ids, args.window, None, desc=name)
+            results[name] = {"ppl": value, "seconds": time.perf_counter() - start, "name": name,
+                             "path": args.checkpoint, "options": model._quantpatch_state.options.to_dict(),
+                             "attention": "served (fireq FP8 prefill)" if served else "kv4"}
+            logger.info("%-22s ppl %.3f", name, value)
+            del model
     base_ppl = results.get("fp", {}).get("ppl")
     rtn_ppl = results.get("rtn", {}).get("ppl")
     for r in results.values():

@@ -269,7 +269,9 @@ def fireq_attention_ref(
     None. ``kv_int4``: K and V are quantized to INT4 per token (e4m3 scales) and attended as
     FireQ's decode does (:func:`~quantpatch.kernels.fireq_ref.fireq_decode_attention_ref`: Q FP8
     per token, P̃ FP8); used for every query, this is the cache a prefill writes, attended by
-    all positions (how perplexity sees KV quantization). Without ``kv_int4``, ``fp8`` runs the
+    all positions (how perplexity sees KV quantization: FireQ's own prefill reads FP8 K/V, App. D,
+    yet its WikiText-2 ablation, Table 3, moves with RPN/CRS, so its perplexity attends to INT4
+    K/V). Without ``kv_int4``, ``fp8`` runs the
     ``fireq`` FP8 prefill attention, and neither gives float attention. ``kv_operand``: ``"fp8"``
     (FireQ's e4m3 look-up table ``e4m3(x̂ σ)``) or ``"exact"`` (``x̂ σ`` unrounded, as a kernel that
     applies the K scale after the dot would). Returns ``(B, H, Nq, D)`` in ``q``'s dtype.

@@ -207,3 +207,23 @@ def test_options_validate():
     with pytest.raises(ValueError, match="unknown FireQOptions"):
         FireQOptions.from_dict({"alpha": 1})
     assert FireQOptions.from_dict(FireQOptions().to_dict()) == FireQOptions()
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_ablation_int4_only_attention_quantizes_one_operand_after_crs(which):
+    from quantpatch.cli_commands import load_eval_script
+    from quantpatch.kernels.attention_ref import attention_exact
+    from quantpatch.kernels.fireq_ref import dequantize_kv_int4, quantize_kv_int4
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 37, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    t = 1 + 3 * torch.rand(2, 16, generator=g, dtype=torch.float64)
+    out = load_eval_script("fireq_ablation.py").int4_only_attention(
+        q, k, v, t, which, is_causal=True, scale=None, attn_mask=None)
+    qt, kt = q * t.repeat_interleave(2, 0)[None, :, None], k / t[None, :, None]  # CRS: q·t, k/t (GQA 2)
+    fake = dequantize_kv_int4(*quantize_kv_int4(kt if which == "k" else v), "fp8")
+    kq, vq = (fake, v) if which == "k" else (kt, fake)
+    want = attention_exact(qt, kq.repeat_interleave(2, 1), vq.repeat_interleave(2, 1), is_causal=True)
+    torch.testing.assert_close(out, want.to(out.dtype), rtol=1e-6, atol=1e-6)
+    exact = attention_exact(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    assert (out - exact).abs().max() > 1e-3  # the INT4 operand is really in the product
