@@ -73,9 +73,10 @@ from .turbo_ref import CompressedKV, Int8Buffer, decode_attention_config
 HEAD_DIMS = (64, 128)
 MAX_Q_LEN = 16
 MAX_ROWS = 128  # G_PAD · NQ_PAD rows of one program
-PROGRAMS_PER_SM = 8  # split the sequence until the grid has about this many programs per SM
+PROGRAMS_PER_SM = 4  # split the sequence until the grid has about this many programs per SM
 MIN_BLOCKS_PER_SPLIT = 4  # ≥ 256 keys per split: the partial (m, ℓ, acc) written stays small next to the codes read
-NUM_WARPS, NUM_STAGES = 2, 2  # launch of the decode kernel (the B=8, N=32k sweep on an H200: bench_decode NOTES.md)
+NUM_WARPS, NUM_STAGES = 2, 1  # launch of the decode kernel (the B=8, N=32k sweeps on an H200: bench_decode NOTES.md)
+MAXNREG = None  # register cap of the decode kernel (None: the compiler's choice)
 SUBNORMAL_CODES = True  # 4-bit codes enter the fp16 dots as subnormals (code · 2⁻²⁴); False: as 1024 + code
 
 
@@ -572,7 +573,9 @@ def _plan(group: int, nq: int, t: int, k_bits: tuple[int, ...], v_bits: tuple[in
     g_pad, nq_pad = _row_tile(group, nq, lanes)
     per_split = lanes * math.ceil(t / splits / lanes) if t else 0
     splits = math.ceil(t / per_split) if t else 1
-    s_chunk = max(2, min(_next_pow2(splits), 128 // (g_pad * nq_pad)))
+    # ≤ 16 splits and ≤ 64 (row, split) pairs at a time: Triton 3.6 fails to compile the [4, 32, 32] reduction
+    # at 2 warps (TritonGPUOptimizeThreadLocality, H200 probe)
+    s_chunk = max(2, min(_next_pow2(splits), 16, 64 // (g_pad * nq_pad)))
     groups = tuple((kw, vw, tuple(heads)) for (kw, vw), heads in bit_groups(k_bits, v_bits))
     return _Plan(splits, per_split, lanes, g_pad, nq_pad, s_chunk, groups)
 
@@ -633,6 +636,7 @@ def _decode(
             BITS_K=kw, BITS_V=vw, CAUSAL=is_causal and nq > 1, ROW_MASK=nq < plan.nq_pad, DIRECT=plan.direct,
             QMAX=qk_qmax, PMAX=pv_qmax, SUB=SUBNORMAL_CODES, S_CHUNK=plan.s_chunk,
             num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
+            **({"maxnreg": MAXNREG} if MAXNREG else {}),
         )
     return out
 
