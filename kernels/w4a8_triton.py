@@ -430,7 +430,8 @@ def _epilogue(acc, AS_ptr, B_ptr, PTS_ptr, offs_m, offs_n, m_ok, n_ok, HAS_BIAS:
 
 
 # (max M, config): the first row whose max M ≥ M. ``decode`` (M ≤ DECODE_BLOCK_M): :func:`_w4a8_decode_kernel`,
-# BLOCK_N channels per program, split-K into runs of ``gps`` groups (longer where K is long: at most MAX_SPLIT
+# BLOCK_N channels per program (``kw`` > 0: kw groups a step, :func:`_decode_consumer_wide`, measured slower on
+# the H200, NOTES version 4), split-K into runs of ``gps`` groups (longer where K is long: at most MAX_SPLIT
 # runs), ``swap`` (the wgmma orientation), ``fused``: the activation quantization in the same launch where a
 # token's row fits one DECODE_QBLOCK chunk (a longer row, read in several passes by one program, would hold
 # every GEMM program up: there the activation kernel runs first). ``tiled``: the activation kernel, then
