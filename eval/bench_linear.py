@@ -216,13 +216,10 @@ def tune_candidates(m: int) -> list[dict]:
     """``GEMM_CONFIGS`` entries timed by ``--tune`` at ``m`` tokens: the decode kernel (M ≤ 16) or FP8 tiles."""
     from quantpatch.kernels import w4a8_triton as wt
 
-    if m <= wt.DECODE_BLOCK_M:  # the one-group-a-step kernel of version 3, then kw groups a step (3-D dots)
-        wide = [dict(kernel="decode", block_n=bn, gps=gps, kw=kw, fused=1, swap=sw, num_warps=w)
-                for bn, kw, gps, sw, w in ((16, 4, 64, 0, 4), (16, 8, 64, 0, 8), (32, 4, 64, 0, 4), (32, 4, 64, 1, 4),
-                                           (32, 8, 64, 0, 8), (16, 4, 8, 0, 4), (16, 8, 16, 0, 8), (32, 4, 8, 0, 4),
-                                           (32, 4, 16, 0, 4), (32, 8, 16, 0, 8), (64, 2, 8, 1, 4), (64, 4, 8, 1, 8),
-                                           (64, 4, 16, 0, 8), (16, 2, 8, 0, 2))]
-        return [dict(kernel="decode", block_n=64, gps=8, fused=1, swap=1, num_warps=4)] + wide
+    if m <= wt.DECODE_BLOCK_M:
+        swapped = [dict(kernel="decode", block_n=bn, gps=gps, fused=f, swap=1, num_warps=w)
+                   for (bn, w), gps, f in itertools.product(((64, 4), (128, 4), (128, 8)), (2, 4, 8), (0, 1))]
+        return swapped + [dict(kernel="decode", block_n=64, gps=4, fused=f, swap=0, num_warps=4) for f in (0, 1)]
     plain = [dict(kernel="tiled", block_m=128, block_n=bn, swap=0, num_warps=w, num_stages=st)
              for bn, w, st in ((64, 4, 3), (64, 4, 4), (128, 8, 3))]
     swapped = [dict(kernel="tiled", block_m=bm, block_n=bn, swap=1, num_warps=w, num_stages=st)

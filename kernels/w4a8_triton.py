@@ -260,83 +260,6 @@ def _decode_consumer(
         wa, wb, sa, sb, xa = wb, wc, sb, sc, xb
     if SWAP:
         acc = tl.trans(acc)
-    _decode_finish(acc, AS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr, pid_n, pid_k, offs_m, offs_n, m_ok, n_ok,
-                   M, N, stride_ym, SPLIT_K, FUSED, HAS_BIAS)
-
-
-@triton.jit
-def _decode_consumer_wide(
-    c, XP_ptr, AS_ptr, W_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,
-    M, N, K, GROUPS_PER_SPLIT, stride_wn, stride_sn, stride_ym,
-    BLOCK_N: tl.constexpr, GROUP: tl.constexpr, KW: tl.constexpr, SPLIT_K: tl.constexpr,
-    FUSED: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
-):
-    """:func:`_decode_consumer` with ``KW`` groups per step: one ``[KW, BLOCK_N, GROUP/2]`` byte load and batched
-    (3-D) dots, a separate fp32 accumulator per batch lane, the lanes summed once at the end.
-
-    Lane ``j`` takes groups ``g0 + j, g0 + j + KW, …`` in order; the final sum over lanes is a fixed tree:
-    deterministic, only the order of the fp32 sums across groups differs from the reference. The next step's
-    bytes are loaded before the current step is computed (``2 KW`` groups in flight).
-    """
-    BLOCK_M: tl.constexpr = 16  # DECODE_BLOCK_M
-    HALF: tl.constexpr = GROUP // 2
-    tiles = tl.cdiv(N, BLOCK_N)
-    pid_n = c % tiles
-    pid_k = c // tiles
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    lane = tl.arange(0, KW)
-    lane3 = lane[:, None, None]
-    offs_c = tl.arange(0, HALF)[None, None, :]
-    w_ptrs = W_ptr + offs_n.to(tl.int64)[None, :, None] * stride_wn + lane3 * HALF + offs_c  # [KW, BLOCK_N, HALF]
-    s_ptrs = WS_ptr + offs_n.to(tl.int64)[None, :] * stride_sn + lane[:, None]  # [KW, BLOCK_N]
-    x_ptrs = XP_ptr + offs_m[None, :, None] * (K // 2) + lane3 * HALF + offs_c  # [KW, BLOCK_M, HALF] e4m3 pairs
-    n_ok3 = n_ok[None, :, None]
-    m_ok3 = m_ok[None, :, None]
-    g0 = pid_k * GROUPS_PER_SPLIT
-    g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, K // GROUP)
-    wa = tl.load(w_ptrs + g0 * HALF, mask=(g0 + lane3 < g1) & n_ok3, other=0)
-    sa = tl.load(s_ptrs + g0, mask=(g0 + lane[:, None] < g1) & n_ok[None, :], other=0.0)
-    if FUSED:  # x̂ and β are written by programs 0…M-1 of this launch: wait for all M (acquire)
-        while tl.atomic_add(C_ptr, 0, sem="acquire", scope="gpu") < M:
-            pass
-    xa = tl.load(x_ptrs + g0 * HALF, mask=(g0 + lane3 < g1) & m_ok3, other=0, cache_modifier=".cg")
-    if SWAP:
-        acc = tl.zeros([KW, BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([KW, BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for g in range(g0, g1, KW):
-        gn = g + KW
-        wb = tl.load(w_ptrs + gn * HALF, mask=(gn + lane3 < g1) & n_ok3, other=0)
-        sb = tl.load(s_ptrs + gn, mask=(gn + lane[:, None] < g1) & n_ok[None, :], other=0.0)
-        xb = tl.load(x_ptrs + gn * HALF, mask=(gn + lane3 < g1) & m_ok3, other=0, cache_modifier=".cg")
-        w_even, w_odd = _int4_nibbles_fp16(wa)
-        x_even = (xa & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        x_odd = (xa >> 8).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        sigma = sa.to(tl.float32)
-        if SWAP:
-            part = tl.dot(w_odd, tl.permute(x_odd, (0, 2, 1)), tl.dot(w_even, tl.permute(x_even, (0, 2, 1))))
-            acc += part * sigma[:, :, None]
-        else:
-            part = tl.dot(x_odd, tl.permute(w_odd, (0, 2, 1)), tl.dot(x_even, tl.permute(w_even, (0, 2, 1))))
-            acc += part * sigma[:, None, :]
-        wa, sa, xa = wb, sb, xb
-    total = tl.sum(acc, 0)
-    if SWAP:
-        total = tl.trans(total)
-    _decode_finish(total, AS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr, pid_n, pid_k, offs_m, offs_n, m_ok, n_ok,
-                   M, N, stride_ym, SPLIT_K, FUSED, HAS_BIAS)
-
-
-@triton.jit
-def _decode_finish(
-    acc, AS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr, pid_n, pid_k, offs_m, offs_n, m_ok, n_ok,
-    M, N, stride_ym, SPLIT_K: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr,
-):
-    """A decode program's ``[16, BLOCK_N]`` fp32 sum: the epilogue, or (split-K) the partial, the ticket and,
-    for the last run of the tile, the fixed-order sum of the partials; then the fused flag's reset count."""
     mask = m_ok[:, None] & n_ok[None, :]
     y_ptrs = Y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
@@ -366,7 +289,7 @@ def _w4a8_decode_kernel(
     M, N, K, GROUPS_PER_SPLIT,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BLOCK_N: tl.constexpr, GROUP: tl.constexpr, SPLIT_K: tl.constexpr,
-    FUSED: tl.constexpr, SWAP: tl.constexpr, QBLOCK: tl.constexpr, KW: tl.constexpr,
+    FUSED: tl.constexpr, SWAP: tl.constexpr, QBLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """Few tokens (``M ≤ 16``), one launch: ``tiles × SPLIT_K`` GEMM programs (:func:`_decode_consumer`).
@@ -390,29 +313,11 @@ def _w4a8_decode_kernel(
             tl.debug_barrier()  # every thread's x̂ is written before the flag (release) counts this token
             tl.atomic_add(C_ptr, 1, sem="release", scope="gpu")
         else:
-            _decode_gemm(pid - M, XP_ptr, AS_ptr, W_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,
-                         M, N, K, GROUPS_PER_SPLIT, stride_wn, stride_sn, stride_ym,
-                         BLOCK_N, GROUP, KW, SPLIT_K, FUSED, SWAP, HAS_BIAS)
+            _decode_consumer(pid - M, XP_ptr, AS_ptr, W_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,
+                             M, N, K, GROUPS_PER_SPLIT, stride_wn, stride_sn, stride_ym,
+                             BLOCK_N, GROUP, SPLIT_K, FUSED, SWAP, HAS_BIAS)
     else:
-        _decode_gemm(pid, XP_ptr, AS_ptr, W_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,
-                     M, N, K, GROUPS_PER_SPLIT, stride_wn, stride_sn, stride_ym,
-                     BLOCK_N, GROUP, KW, SPLIT_K, FUSED, SWAP, HAS_BIAS)
-
-
-@triton.jit
-def _decode_gemm(
-    c, XP_ptr, AS_ptr, W_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,
-    M, N, K, GROUPS_PER_SPLIT, stride_wn, stride_sn, stride_ym,
-    BLOCK_N: tl.constexpr, GROUP: tl.constexpr, KW: tl.constexpr, SPLIT_K: tl.constexpr,
-    FUSED: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
-):
-    """GEMM program ``c``: :func:`_decode_consumer_wide` with ``KW`` groups per step, one group a step if 0."""
-    if KW > 0:
-        _decode_consumer_wide(c, XP_ptr, AS_ptr, W_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,
-                              M, N, K, GROUPS_PER_SPLIT, stride_wn, stride_sn, stride_ym,
-                              BLOCK_N, GROUP, KW, SPLIT_K, FUSED, SWAP, HAS_BIAS)
-    else:
-        _decode_consumer(c, XP_ptr, AS_ptr, W_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,
+        _decode_consumer(pid, XP_ptr, AS_ptr, W_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,
                          M, N, K, GROUPS_PER_SPLIT, stride_wn, stride_sn, stride_ym,
                          BLOCK_N, GROUP, SPLIT_K, FUSED, SWAP, HAS_BIAS)
 
@@ -430,8 +335,7 @@ def _epilogue(acc, AS_ptr, B_ptr, PTS_ptr, offs_m, offs_n, m_ok, n_ok, HAS_BIAS:
 
 
 # (max M, config): the first row whose max M ≥ M. ``decode`` (M ≤ DECODE_BLOCK_M): :func:`_w4a8_decode_kernel`,
-# BLOCK_N channels per program (``kw`` > 0: kw groups a step, :func:`_decode_consumer_wide`, measured slower on
-# the H200, NOTES version 4), split-K into runs of ``gps`` groups (longer where K is long: at most MAX_SPLIT
+# BLOCK_N channels per program, split-K into runs of ``gps`` groups (longer where K is long: at most MAX_SPLIT
 # runs), ``swap`` (the wgmma orientation), ``fused``: the activation quantization in the same launch where a
 # token's row fits one DECODE_QBLOCK chunk (a longer row, read in several passes by one program, would hold
 # every GEMM program up: there the activation kernel runs first). ``tiled``: the activation kernel, then
@@ -462,8 +366,6 @@ def decode_split(cfg: dict, n: int, groups: int) -> tuple[int, int]:
     """``(SPLIT_K, groups per run)`` of the decode kernel: runs of ``cfg["gps"]`` groups, at most ``MAX_SPLIT``."""
     split = max(1, min(MAX_SPLIT, triton.cdiv(groups, cfg["gps"])))
     gps = triton.cdiv(groups, split)
-    step = cfg.get("kw", 0) or 1  # the wide consumer's runs: whole steps of kw groups
-    gps = triton.cdiv(gps, step) * step
     return triton.cdiv(groups, gps), gps
 
 
@@ -526,7 +428,7 @@ def _launch_decode(x, x_hat, beta, qweight, scales, pts_exp, bias, y, cfg: dict)
         x_arg, x_hat, x_pairs, beta, qweight, scales, bias if bias is not None else beta, pts_exp,
         work, counters, y, m, n, k, gps, stride_xm, qweight.stride(0), scales.stride(0), y.stride(0),
         BLOCK_N=bn, GROUP=GROUP_SIZE, SPLIT_K=split, FUSED=fused,
-        SWAP=cfg.get("swap", 0), QBLOCK=min(DECODE_QBLOCK, triton.next_power_of_2(k)), KW=cfg.get("kw", 0),
+        SWAP=cfg.get("swap", 0), QBLOCK=min(DECODE_QBLOCK, triton.next_power_of_2(k)),
         HAS_BIAS=bias is not None, EMULATE=interpreting(), num_warps=cfg["num_warps"], num_stages=1,
     )
 

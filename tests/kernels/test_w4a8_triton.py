@@ -136,8 +136,8 @@ def test_gemm_every_configuration_of_the_table(row):
     _check_gemm(max_m or 300, 67, 5 * GROUP_SIZE, seed=10 + row, dtype=torch.float32, config=dict(cfg, num_stages=1))
 
 
-def _decode_cfg(block_n=16, gps=2, fused=0, swap=0, kw=0):
-    return dict(kernel="decode", block_n=block_n, gps=gps, fused=fused, swap=swap, num_warps=4, kw=kw)
+def _decode_cfg(block_n=16, gps=2, fused=0, swap=0):
+    return dict(kernel="decode", block_n=block_n, gps=gps, fused=fused, swap=swap, num_warps=4)
 
 
 def _counters_are_zero(device):
@@ -156,22 +156,6 @@ def test_decode_kernel_split_k(m, block_n, gps, split):
     assert _counters_are_zero(y.device)
     again = _check_gemm(m, n, groups * GROUP_SIZE, seed=20 + m + split, dtype=torch.bfloat16, config=cfg)
     assert torch.equal(y, again)
-
-
-@pytest.mark.parametrize("m", [1, 16])
-@pytest.mark.parametrize("kw,gps,swap,split", [(2, 2, 1, 3), (4, 64, 0, 1), (4, 3, 0, 2), (8, 64, 1, 1)])
-def test_decode_kernel_wide_steps(m, kw, gps, swap, split):
-    """``kw`` groups a step (3-D dots, one accumulator per lane, lanes summed at the end): runs rounded up to
-    whole steps, steps past the run's last group masked, with and without split-K; fused and two-step agree."""
-    n, k = 67, 5 * GROUP_SIZE
-    cfg = _decode_cfg(16, gps, swap=swap, kw=kw)
-    assert wt.decode_split(cfg, n, k // GROUP_SIZE)[0] == split
-    y = _check_gemm(m, n, k, seed=60 + m + kw, dtype=torch.bfloat16, config=cfg)
-    assert _counters_are_zero(y.device)
-    packed, (qw, sc, pe, b) = _layer(n, k, seed=62 + m)
-    x = _randn(m, k, seed=63 + m).to(torch.bfloat16).to(DEVICE)
-    fused = wt.w4a8_linear_2d(x, qw, sc, pe, b, config=dict(cfg, fused=1))
-    assert torch.equal(fused, wt.w4a8_linear_2d(x, qw, sc, pe, b, config=cfg)) and _counters_are_zero(y.device)
 
 
 @pytest.mark.parametrize("m", [17, 40])
