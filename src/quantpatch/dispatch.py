@@ -83,9 +83,24 @@ def cuda_unsupported(t: torch.Tensor, min_capability: tuple[int, int], needs: st
     return None
 
 
+FAST_PATHS_MODULE = "quantpatch.kernels.fast_paths"  # the attention kernels: they register themselves here
+W4A8_KERNELS_MODULE = "quantpatch.kernels.w4a8_triton"  # registers with quantpatch.w4a8_linear
+
+
 def _load_fast_paths() -> None:
-    """The attention kernels: they register themselves here."""
-    load_kernels("quantpatch.kernels.fast_paths")
+    load_kernels(FAST_PATHS_MODULE)
+
+
+def preload_kernels() -> None:
+    """Import the GPU kernel modules now if CUDA is usable (``patch_model`` calls this).
+
+    Otherwise the first CUDA call imports them, and when that first call runs under
+    ``torch.compile`` the import happens inside the trace: a graph break, and that call is
+    compiled without the kernels.
+    """
+    if torch.cuda.is_available():
+        for module in (FAST_PATHS_MODULE, W4A8_KERNELS_MODULE):
+            load_kernels(module)
 
 
 def select(call: AttentionCall) -> tuple[Implementation | None, list[str]]:

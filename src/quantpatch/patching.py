@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from quantpatch.config import AttentionConfig, ModeConfig
+from quantpatch.dispatch import preload_kernels
 from quantpatch.fallback import SiteRecord
 from quantpatch.modes import get_mode
 
@@ -139,6 +140,7 @@ def patch_model(
     if getattr(model, PATCHED_MARK, None) is not None:
         raise ValueError("this model is already patched by quantpatch; call .remove() on its handle first")
     handle = PatchHandle(model, config, overrides)
+    preload_kernels()  # not on a first call under torch.compile (an import there breaks the graph)
     from quantpatch.patches import patch_for
 
     try:

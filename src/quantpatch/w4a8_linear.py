@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from quantpatch.dispatch import load_kernels
+from quantpatch.dispatch import W4A8_KERNELS_MODULE, load_kernels
 from quantpatch.kernels.w4a8_ref import (
     GROUP_SIZE,
     WEIGHT_OPERANDS,
@@ -43,7 +43,7 @@ def register_w4a8_fast_path(name: str, accepts: Callable, run: Callable) -> None
 def w4a8_matmul(x: torch.Tensor, module: W4A8Linear) -> torch.Tensor:
     """``module``'s product on ``x (..., K)``: the first registered fast path that accepts it, else the reference."""
     if x.is_cuda:  # the Triton kernels register themselves on import
-        load_kernels("quantpatch.kernels.w4a8_triton")
+        load_kernels(W4A8_KERNELS_MODULE)
     for _, accepts, run in _FAST_PATHS:
         if accepts(x, module):
             return run(x, module)

@@ -148,6 +148,41 @@ def test_gpu_patched_llama_runs_under_torch_compile():
     assert qp.cos_sim(compiled, eager) > 0.999
 
 
+def test_patch_model_imports_the_gpu_kernels_before_any_traced_call(monkeypatch):
+    from quantpatch import dispatch
+
+    loaded = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dispatch, "load_kernels", loaded.append)
+    with qp.patch_model(tiny_model("llama"), "sage2-8b"):
+        assert loaded == [dispatch.FAST_PATHS_MODULE, dispatch.W4A8_KERNELS_MODULE]
+
+
+COMPILE_FIRST = """
+import torch, quantpatch as qp
+from torch._dynamo.utils import counters
+from tests.patches.test_transformers_patch import _tiny_cuda_llama
+model, ids = _tiny_cuda_llama()
+with qp.patch_model(model, "sage2-8b") as handle, torch.no_grad():
+    torch.compile(model)(ids)
+assert all(site.implementations == {"triton"} for site in handle.sites), [s.implementations for s in handle.sites]
+assert not counters["graph_break"], dict(counters["graph_break"])
+"""
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_compile_as_the_first_call_in_a_process_runs_the_kernels():
+    """A fresh process whose first quantized call is traced (the kernels are not imported yet)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", COMPILE_FIRST], cwd=root, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_patched_llama_compiles_through_the_kernels_without_extra_graph_breaks():
