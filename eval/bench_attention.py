@@ -58,7 +58,6 @@ TUNE_VARIANTS = [
     ("m64n64w4s3", dict(block_m=64, block_n=64, num_warps=4, num_stages=3)),
     ("m64n64w4s3r168", dict(block_m=64, block_n=64, num_warps=4, num_stages=3, maxnreg=168)),
     ("m64n64w4s4r128", dict(block_m=64, block_n=64, num_warps=4, num_stages=4, maxnreg=128)),
-    ("m64n128w4s2-i2f", dict(block_m=64, block_n=128, num_warps=4, num_stages=2, magic_i2f=True)),
     ("m64n128w4s2-1lvl", dict(block_m=64, block_n=128, num_warps=4, num_stages=2, two_level_accum=False)),
     ("m64n128w4s2-noDS", dict(block_m=64, block_n=128, num_warps=4, num_stages=2, no_delta_s=True)),
     ("m128n128w8s3", dict(block_m=128, block_n=128, num_warps=8, num_stages=3)),

@@ -79,7 +79,7 @@ def _attn_block(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NK_PAD_STRIDE,
     QK_FP8: tl.constexpr, PV_INT8: tl.constexpr, P_MAX: tl.constexpr, L_FROM_P: tl.constexpr,
     SMOOTH_Q: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, TWO_LEVEL: tl.constexpr,
-    MAGIC_I2F: tl.constexpr, EMULATE: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     """Keys ``[lo, hi)`` in blocks of BLOCK_N; ``MASKED`` adds the causal / tail mask.
 
@@ -97,12 +97,7 @@ def _attn_block(
             s = tl.dot(q, tl.trans(k)) * ks[None, :]
         else:
             s_int = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
-            if MAGIC_I2F:
-                # |s_int| <= 127² · 128 < 2²²: adding 1.5·2²³'s bit pattern makes a float whose low
-                # mantissa bits are s_int; the integer add runs on the ALU, not the slow I2F unit.
-                s = ((s_int + MAGIC_I).to(tl.float32, bitcast=True) - MAGIC_F) * ks[None, :]
-            else:
-                s = s_int.to(tl.float32) * ks[None, :]
+            s = s_int.to(tl.float32) * ks[None, :]  # Hopper's I2F is fast: the 1.5·2²³ trick gained nothing here
         if SMOOTH_Q:
             s = s * qs[:, None] + ((tl.load(DS_ptr + cols) - ds_shift) * ds_scale)[None, :]
         else:
@@ -194,7 +189,7 @@ def _attn_fwd_kernel(
     QK_FP8: tl.constexpr, PV_INT8: tl.constexpr, P_MAX: tl.constexpr, L_FROM_P: tl.constexpr,
     SMOOTH_Q: tl.constexpr, SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, V_TENSOR: tl.constexpr,
     CAUSAL: tl.constexpr,
-    RETURN_LSE: tl.constexpr, TWO_LEVEL: tl.constexpr, MAGIC_I2F: tl.constexpr, EMULATE: tl.constexpr,
+    RETURN_LSE: tl.constexpr, TWO_LEVEL: tl.constexpr, EMULATE: tl.constexpr,
     TURBO: tl.constexpr,
 ):
     """One tile of BLOCK_M query rows of one (batch, head)."""
@@ -252,12 +247,12 @@ def _attn_fwd_kernel(
         acc, l_i, m_i = _attn_block(
             acc, l_i, m_i, q, qs, k_base, ks_base, vt_base, ds_base, ds_shift, qk_scale, 0, full_hi, offs_m, NK, diag,
             HEAD_DIM, BLOCK_N, NK_PAD, QK_FP8, PV_INT8, P_MAX, L_FROM_P, SMOOTH_Q, CAUSAL, False, TWO_LEVEL,
-            MAGIC_I2F, EMULATE,
+            EMULATE,
         )
         acc, l_i, m_i = _attn_block(
             acc, l_i, m_i, q, qs, k_base, ks_base, vt_base, ds_base, ds_shift, qk_scale, full_hi, hi, offs_m, NK,
             diag, HEAD_DIM, BLOCK_N, NK_PAD, QK_FP8, PV_INT8, P_MAX, L_FROM_P, SMOOTH_Q, CAUSAL, True, TWO_LEVEL,
-            MAGIC_I2F, EMULATE,
+            EMULATE,
         )
         # acc is in units of P_MAX·V̂ and l_i in units of P_MAX: the two P_MAX cancel
         if V_TENSOR:
@@ -295,7 +290,6 @@ def attn_qk_int8_pv_fp8(
     block_n: int = 128,
     num_warps: int = 8,
     num_stages: int = 2,
-    magic_i2f: bool = False,
     maxnreg: int | None = None,
     turbo: bool = False,
     p_qmax: int = 119,
@@ -341,7 +335,7 @@ def attn_qk_int8_pv_fp8(
         QK_FP8=qk_fp8, PV_INT8=pv_int8, P_MAX=p_max, L_FROM_P=l_from_quantized_p,
         SMOOTH_Q=smooth_q, SMOOTH_K=x.k_mean.numel() > 0, SMOOTH_V=x.v_mean.numel() > 0,
         V_TENSOR=x.v_scale.numel() == 1, CAUSAL=is_causal,
-        RETURN_LSE=return_lse, TWO_LEVEL=two_level_accum, MAGIC_I2F=magic_i2f, EMULATE=interpreting(), TURBO=turbo,
+        RETURN_LSE=return_lse, TWO_LEVEL=two_level_accum, EMULATE=interpreting(), TURBO=turbo,
         num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     return o, lse
