@@ -1,7 +1,7 @@
 """GPU fast paths of the quantized attention modes, registered with :mod:`quantpatch.dispatch`.
 
-Imported lazily by ``dispatch._load_fast_paths()`` on the first CUDA call (it imports
-Triton). Each numerics family gets one :class:`~quantpatch.dispatch.Implementation` whose
+Imported (with Triton) by ``dispatch.load_kernels``: from ``patch_model``, else on the first CUDA
+call. Each numerics family gets one :class:`~quantpatch.dispatch.Implementation` whose
 ``unsupported(call)`` names the first reason it cannot take a call (the caller then tries
 the reference, else falls back to SDPA with one warning).
 

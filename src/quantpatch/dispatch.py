@@ -87,10 +87,6 @@ FAST_PATHS_MODULE = "quantpatch.kernels.fast_paths"  # the attention kernels: th
 W4A8_KERNELS_MODULE = "quantpatch.kernels.w4a8_triton"  # registers with quantpatch.w4a8_linear
 
 
-def _load_fast_paths() -> None:
-    load_kernels(FAST_PATHS_MODULE)
-
-
 def preload_kernels() -> None:
     """Import the GPU kernel modules now if CUDA is usable (``patch_model`` calls this).
 
@@ -106,7 +102,7 @@ def preload_kernels() -> None:
 def select(call: AttentionCall) -> tuple[Implementation | None, list[str]]:
     """The highest-priority implementation that accepts ``call``, and why the others declined."""
     if call.q.is_cuda:
-        _load_fast_paths()
+        load_kernels(FAST_PATHS_MODULE)
     declined = []
     for impl in _REGISTRY[call.config.numerics]:
         reason = impl.unsupported(call)
