@@ -53,7 +53,7 @@ from typing import Callable, Sequence
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import bench, write_csv  # noqa: E402  (the shared harness, beside this script)
+from bench_attention import bench, graph_replays, write_csv  # noqa: E402  (the shared harness, beside this script)
 
 from quantpatch.environment import environment_info  # noqa: E402
 from quantpatch.metrics import rel_l1  # noqa: E402
@@ -124,20 +124,6 @@ def _inputs(m: int, k: int, n_sets: int, device: torch.device, seed: int) -> lis
 
 def _timer(device: torch.device) -> Callable:
     return bench if device.type == "cuda" else cpu_time
-
-
-def graph_replays(fn: Callable[[int], object], n_sets: int) -> Callable[[int], object]:
-    """``fn(i)`` captured once per input set in a CUDA graph (after an eager warm-up); returns ``i ↦ replay``."""
-    for i in range(n_sets):
-        fn(i)
-    torch.cuda.synchronize()
-    graphs = []
-    for i in range(n_sets):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn(i)
-        graphs.append(graph)
-    return lambda i: graphs[i].replay()
 
 
 def speed_rows(args) -> list[dict]:
