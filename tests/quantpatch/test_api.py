@@ -109,3 +109,14 @@ def test_config_objects_are_accepted_as_mode():
     q, k, v = attention_inputs("randn", heads=2, seq_q=64, head_dim=64)
     cfg = qp.get_mode("sage2-4b", smooth_q=False)
     assert torch.equal(qp.attention(q, k, v, mode=cfg), qp.attention(q, k, v, mode=cfg.attention))
+
+
+def test_a_kernel_module_that_cannot_import_warns_once_and_the_reference_serves(caplog):
+    from quantpatch import dispatch
+
+    missing = "quantpatch.kernels._no_such_kernels_module"
+    with caplog.at_level("WARNING", logger="quantpatch"):
+        dispatch.load_kernels(missing)
+        dispatch.load_kernels(missing)
+    warned = [r for r in caplog.records if missing in r.getMessage()]
+    assert len(warned) == 1 and "using the PyTorch reference" in warned[0].getMessage()
