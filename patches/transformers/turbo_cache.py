@@ -52,6 +52,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from quantpatch.calibration_turbo import HeadPrecision, attention_modules, head_precision_of, kv_config_of
 from quantpatch.config import AttentionConfig, KVCacheConfig, ModeConfig
+from quantpatch.dispatch import preload_kernels
 from quantpatch.fallback import UnsupportedError, fall_back
 from quantpatch.kernels.quant_attention_ref import quant_attention_ref
 from quantpatch.kernels.quant_ref import symmetric_scale
@@ -463,6 +464,7 @@ class TurboCache(Cache):
             for i, (k, v) in enumerate(self.head_bits)
         ]
         super().__init__(layers=layers)
+        preload_kernels()  # a first generate() under torch.compile would otherwise import them inside the trace
 
     def __repr__(self) -> str:
         return f"TurboCache({self.shape.describe()}, {self.get_seq_length()} tokens)"

@@ -85,6 +85,8 @@ def cuda_unsupported(t: torch.Tensor, min_capability: tuple[int, int], needs: st
 
 FAST_PATHS_MODULE = "quantpatch.kernels.fast_paths"  # the attention kernels: they register themselves here
 W4A8_KERNELS_MODULE = "quantpatch.kernels.w4a8_triton"  # registers with quantpatch.w4a8_linear
+# TurboCache's compression and decode kernels (patches/transformers/turbo_cache.py imports them by name per call)
+TURBO_KERNELS_MODULES = ("quantpatch.kernels.turbo_compress_triton", "quantpatch.kernels.turbo_decode_triton")
 
 
 def preload_kernels() -> None:
@@ -95,7 +97,7 @@ def preload_kernels() -> None:
     compiled without the kernels.
     """
     if torch.cuda.is_available():
-        for module in (FAST_PATHS_MODULE, W4A8_KERNELS_MODULE):
+        for module in (FAST_PATHS_MODULE, W4A8_KERNELS_MODULE, *TURBO_KERNELS_MODULES):
             load_kernels(module)
 
 

@@ -155,7 +155,7 @@ def test_patch_model_imports_the_gpu_kernels_before_any_traced_call(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(dispatch, "load_kernels", loaded.append)
     with qp.patch_model(tiny_model("llama"), "sage2-8b"):
-        assert loaded == [dispatch.FAST_PATHS_MODULE, dispatch.W4A8_KERNELS_MODULE]
+        assert loaded == [dispatch.FAST_PATHS_MODULE, dispatch.W4A8_KERNELS_MODULE, *dispatch.TURBO_KERNELS_MODULES]
 
 
 COMPILE_FIRST = """
@@ -249,3 +249,14 @@ def test_patched_attention_adds_no_graph_breaks_around_a_kernel_op(monkeypatch, 
     del alive
     assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
     assert all(site.implementations == {"stand-in"} for site in handle.sites)
+
+
+def test_turbo_cache_imports_its_gpu_kernels_when_built(monkeypatch):
+    """A TurboCache built by hand (no patch_model) also imports the kernels before a first traced call."""
+    from quantpatch import dispatch
+
+    loaded = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dispatch, "load_kernels", loaded.append)
+    qp.TurboCache(tiny_model("llama"))
+    assert set(dispatch.TURBO_KERNELS_MODULES) <= set(loaded)
