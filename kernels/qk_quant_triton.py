@@ -19,7 +19,8 @@ quantize V and write it transposed). The attention kernel subtracts the row cons
 from ΔS_raw, which leaves ΔS = q̄_b · γ(K_j) as in the reference (the mean is removed after the
 product: exact products, one fp32 cancellation of size |q̄ · K̄|).
 
-Numerics notes: divisions use ``tl.math.div_rn`` (IEEE, as PyTorch), rounding is
+Numerics notes: divisions are IEEE (as PyTorch): ``tl.math.div_rn``, or per element one FMA-corrected
+product with a per-row / per-channel reciprocal (``_div_by``, the same quotient); rounding is
 round-half-even through the 1.5·2²³ trick (exact for |x| < 2²²; values here are ≤ qmax·(1+ε)),
 FP8 casts saturate to ±448 then round to nearest even (``cvt.rn.satfinite`` on the GPU; an
 exact emulation under ``TRITON_INTERPRET=1``, whose own FP8 cast rounds ties up).
@@ -48,7 +49,9 @@ FMT_INT, FMT_FP8 = 0, 1
 V_NONE, V_CHANNEL, V_TENSOR, V_BLOCK = 0, 1, 2, 3
 V_GRAN_IDS = {"channel": V_CHANNEL, "tensor": V_TENSOR, "block": V_BLOCK}
 
-STATS_TILE = 64  # tokens per program (and per partial sum) of the K/V statistics pass
+Q_WARPS = 8  # warps of a 128 × 128 query-block program of the Q pass
+STATS_TILE = 16  # tokens per load of the K/V statistics pass
+STATS_TILES = 8  # loads per program: one partial per STATS_TILES · STATS_TILE tokens
 DS_TUNING = dict(block_n=128, qb_tile=64, num_warps=4, num_stages=2)  # launch of the ΔS GEMM
 
 
@@ -111,11 +114,27 @@ def _group_absmax(amax, T: tl.constexpr, GRAN: tl.constexpr, ROLE_Q: tl.constexp
 
 
 @triton.jit
+def _div_by(x, d):
+    """``x / d`` rounded as IEEE division (``div_rn``) for a positive divisor ``d`` broadcast against ``x``,
+    with one reciprocal per divisor: Markstein's correction of ``x · RN(1/d)`` (an exact FMA residual, then
+    one FMA) is the correctly rounded quotient while ``RN(1/d)`` is normal, so ``d`` is first brought into
+    [2⁻⁶⁴, 2⁶⁴] by an exact power of two applied to both operands. The quotient can differ from ``div_rn``
+    only below 2⁻¹²⁶ (``x`` scaled into the subnormals), where every quantizer here rounds it to 0."""
+    f = tl.where(d > 1.8446744073709552e19, 5.421010862427522e-20,
+                 tl.where(d < 5.421010862427522e-20, 1.8446744073709552e19, 1.0))
+    d = d * f
+    x = x * f
+    r = tl.math.div_rn(1.0, d)
+    q = x * r
+    return tl.math.fma(tl.math.fma(-d, q, x), r, q)
+
+
+@triton.jit
 def _quantize_rows(x, gmax, QMAX: tl.constexpr, FMT: tl.constexpr, EMULATE: tl.constexpr):
     """``(x̂, δ)`` for a tile ``x [T, D]`` (fp32) and its group absmax ``gmax [T]``."""
     scale = tl.math.div_rn(gmax, QMAX)
     scale = tl.where(scale == 0.0, 1.0, scale)
-    y = tl.math.div_rn(x, scale[:, None])
+    y = _div_by(x, scale[:, None])
     if FMT == 0:
         xq = tl.minimum(tl.maximum(_rne(y), -QMAX), QMAX).to(tl.int8)
     else:
@@ -150,35 +169,43 @@ def _kv_stats_kernel(
     K_ptr, V_ptr, KSUM_ptr, VSUM_ptr, VMAX_ptr, VMIN_ptr, VABS_ptr,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     NK, HKV, NCHUNK,
-    HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
     DO_K: tl.constexpr, DO_VSUM: tl.constexpr, DO_VMINMAX: tl.constexpr, DO_VABS: tl.constexpr,
 ):
-    """Per (kv head, TILE tokens): column-sum partials of K and V, column max/min partials of V,
-    and the global absmax of V (atomic max: order-free, exact)."""
+    """Per (kv head, TILES · TILE tokens): column-sum partials of K and V, column max/min partials of V, and
+    the global absmax of V (atomic max: order-free, exact). Element-wise accumulators over the TILES loads
+    (pipelined), one reduction over the TILE rows at the end: a fixed order for a given shape."""
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # offsets of large tensors exceed int32
     b = pid_bh // HKV
     hk = pid_bh % HKV
-    rows = pid_c * TILE + tl.arange(0, TILE)
     offs_d = tl.arange(0, HEAD_DIM)
-    mask = rows[:, None] < NK
+    k_sum = tl.zeros([TILE, HEAD_DIM], dtype=tl.float32)
+    v_sum = tl.zeros([TILE, HEAD_DIM], dtype=tl.float32)
+    v_max = tl.full([TILE, HEAD_DIM], float("-inf"), dtype=tl.float32)
+    v_min = tl.full([TILE, HEAD_DIM], float("inf"), dtype=tl.float32)
+    for t in tl.range(0, TILES, num_stages=3):
+        rows = (pid_c * TILES + t) * TILE + tl.arange(0, TILE)
+        mask = rows[:, None] < NK
+        if DO_K:
+            k_sum += tl.load(K_ptr + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn + offs_d[None, :],
+                             mask=mask, other=0.0).to(tl.float32)
+        if DO_VSUM or DO_VMINMAX or DO_VABS:
+            vt = tl.load(V_ptr + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn + offs_d[None, :],
+                         mask=mask, other=0.0).to(tl.float32)
+            v_max = tl.maximum(v_max, tl.where(mask, vt, float("-inf")))
+            v_min = tl.minimum(v_min, tl.where(mask, vt, float("inf")))
+            v_sum += vt
     out = (pid_bh * NCHUNK + pid_c) * HEAD_DIM + offs_d
     if DO_K:
-        kt = tl.load(K_ptr + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn + offs_d[None, :],
-                     mask=mask, other=0.0).to(tl.float32)
-        tl.store(KSUM_ptr + out, tl.sum(kt, 0))
-    if DO_VSUM or DO_VMINMAX or DO_VABS:
-        vt = tl.load(V_ptr + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn + offs_d[None, :],
-                     mask=mask, other=0.0).to(tl.float32)
-        v_max = tl.max(tl.where(mask, vt, float("-inf")), 0)
-        v_min = tl.min(tl.where(mask, vt, float("inf")), 0)
-        if DO_VSUM:
-            tl.store(VSUM_ptr + out, tl.sum(vt, 0))
-        if DO_VMINMAX:
-            tl.store(VMAX_ptr + out, v_max)
-            tl.store(VMIN_ptr + out, v_min)
-        if DO_VABS:
-            tl.atomic_max(VABS_ptr, tl.max(tl.maximum(v_max, -v_min), 0))
+        tl.store(KSUM_ptr + out, tl.sum(k_sum, 0))
+    if DO_VSUM:
+        tl.store(VSUM_ptr + out, tl.sum(v_sum, 0))
+    if DO_VMINMAX:
+        tl.store(VMAX_ptr + out, tl.max(v_max, 0))
+        tl.store(VMIN_ptr + out, tl.min(v_min, 0))
+    if DO_VABS:
+        tl.atomic_max(VABS_ptr, tl.max(tl.maximum(tl.max(v_max, 0), -tl.min(v_min, 0)), 0))
 
 
 @triton.jit(do_not_specialize=["NK"])
@@ -335,18 +362,18 @@ def _quant_kv_kernel(
         if SMOOTH_V:
             v = tl.where(valid, v - tl.load(VM_ptr + pid_bh * HEAD_DIM + offs_d)[None, :], 0.0)
         if V_MODE == 1:  # per channel (scale from the finalize pass)
-            y = tl.math.div_rn(v, tl.load(VS_ptr + pid_bh * HEAD_DIM + offs_d)[None, :])
+            y = _div_by(v, tl.load(VS_ptr + pid_bh * HEAD_DIM + offs_d)[None, :])
         elif V_MODE == 2:  # one scale for the whole tensor
             v_scale = tl.math.div_rn(tl.load(VABS_ptr), V_QMAX)
             v_scale = tl.where(v_scale == 0.0, 1.0, v_scale)
             if (pid_n == 0) & (pid_bh == 0):
                 tl.store(VS_ptr, v_scale)
-            y = tl.math.div_rn(v, v_scale)
+            y = _div_by(v, v_scale)
         else:  # one scale per BLOCK tokens (BLOCK = block_k)
             v_scale = tl.math.div_rn(tl.max(tl.max(tl.abs(v), 1), 0), V_QMAX)
             v_scale = tl.where(v_scale == 0.0, 1.0, v_scale)
             tl.store(VS_ptr + pid_bh * NKB + pid_n, v_scale)
-            y = tl.math.div_rn(v, v_scale)
+            y = _div_by(v, v_scale)
         if V_FMT == 0:
             vq = tl.minimum(tl.maximum(_rne(y), -V_QMAX), V_QMAX).to(tl.int8)
         else:
@@ -464,11 +491,11 @@ def quantize_qkv(
         nq, h, nqb,
         HEAD_DIM=d, BLOCK=block_q, GRAN=GRAN_IDS[qk_granularity], WARPS=warps, QMAX=q_max,
         FMT=qk_fmt, SMOOTH=smooth_q, EMULATE=emulate,
-        num_warps=8 if block_q * d >= 128 * 128 else 4,
+        num_warps=Q_WARPS if block_q * d >= 128 * 128 else 4,
     )
 
     # 2. statistics partials of K and V; ΔS_raw = q̄ · Kᵀ
-    nchunk = triton.cdiv(nk, STATS_TILE)
+    nchunk = triton.cdiv(nk, STATS_TILE * STATS_TILES)
     ksum = torch.empty(b * hkv * nchunk * d, **f32) if smooth_k else empty
     vsum = torch.empty(b * hkv * nchunk * d, **f32) if need_vsum else empty
     vmax = torch.empty(b * hkv * nchunk * d, **f32) if need_vminmax else empty
@@ -479,7 +506,7 @@ def quantize_qkv(
             k, v, ksum, vsum, vmax, vmin, vabs,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             nk, hkv, nchunk,
-            HEAD_DIM=d, TILE=STATS_TILE,
+            HEAD_DIM=d, TILE=STATS_TILE, TILES=STATS_TILES,
             DO_K=smooth_k, DO_VSUM=need_vsum, DO_VMINMAX=need_vminmax, DO_VABS=need_vabs,
             num_warps=4,
         )
