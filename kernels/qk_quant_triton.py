@@ -49,7 +49,6 @@ FMT_INT, FMT_FP8 = 0, 1
 V_NONE, V_CHANNEL, V_TENSOR, V_BLOCK = 0, 1, 2, 3
 V_GRAN_IDS = {"channel": V_CHANNEL, "tensor": V_TENSOR, "block": V_BLOCK}
 
-Q_WARPS = 8  # warps of a 128 × 128 query-block program of the Q pass
 STATS_TILE = 16  # tokens per load of the K/V statistics pass
 STATS_TILES = 8  # loads per program: one partial per STATS_TILES · STATS_TILE tokens
 DS_TUNING = dict(block_n=128, qb_tile=64, num_warps=4, num_stages=2)  # launch of the ΔS GEMM
@@ -491,7 +490,7 @@ def quantize_qkv(
         nq, h, nqb,
         HEAD_DIM=d, BLOCK=block_q, GRAN=GRAN_IDS[qk_granularity], WARPS=warps, QMAX=q_max,
         FMT=qk_fmt, SMOOTH=smooth_q, EMULATE=emulate,
-        num_warps=Q_WARPS if block_q * d >= 128 * 128 else 4,
+        num_warps=4,  # 8 (and 16) measured slower on the H200 at 128 × 128 (eval/probes/profile_quant_pass.py)
     )
 
     # 2. statistics partials of K and V; ΔS_raw = q̄ · Kᵀ

@@ -1,6 +1,5 @@
 """GPU time of each kernel of the sage2-8b quantization pass (B=4, H=32, D=128, bf16), by torch.profiler:
-``python eval/probes/profile_quant_pass.py 1024 8192`` (``QP_Q_WARPS=4``,
-``QP_DS=128,64,4,2`` override the Q pass's warps and the ΔS GEMM's launch)."""
+``python eval/probes/profile_quant_pass.py 1024 8192`` (``QP_DS=128,64,4,2`` overrides the ΔS GEMM's launch)."""
 
 import os
 import sys
@@ -12,7 +11,6 @@ import quantpatch as qp
 from quantpatch.kernels import fast_paths, qk_quant_triton
 from quantpatch.kernels.qk_quant_triton import quantize_qkv
 
-qk_quant_triton.Q_WARPS = int(os.environ.get("QP_Q_WARPS", qk_quant_triton.Q_WARPS))
 if "QP_DS" in os.environ:  # block_n,qb_tile,num_warps,num_stages of the ΔS GEMM
     qk_quant_triton.DS_TUNING = dict(zip(("block_n", "qb_tile", "num_warps", "num_stages"),
                                          map(int, os.environ["QP_DS"].split(","))))
