@@ -35,8 +35,11 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from quantpatch.kernels.attention_ref import attention_exact
+from quantpatch.kernels.qk_quant_triton import _div_by
 from quantpatch.kernels.quant_attention_ref import quant_attention_ref
 from quantpatch.metrics import rel_l1
 from quantpatch.modes import get_mode
@@ -124,6 +127,31 @@ def test_quantization_variants_bit_exact(options):
     q, k, v = _inputs(113, 113, kind="outliers", seed=7)
     kw = {**_quant_kw("sage2-8b"), **options}
     _check_quantization(q, k, v, kw)
+
+
+@triton.jit
+def _divide_kernel(X, D, Y, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Y + i, _div_by(tl.load(X + i), tl.load(D + i)))
+
+
+def test_division_is_the_ieee_quotient():
+    """``_div_by`` (one reciprocal per divisor, Markstein's FMA correction) gives ``x / d`` bit for bit, for
+    divisors from subnormal to 2.5e36 and quotients up to ±127 (what the quantizers divide)."""
+    g = torch.Generator().manual_seed(0)
+    divisors = torch.tensor([3e-39, 2.0**-126, 2.0**-70, 2.0**-64, 0.99 * 2.0**-64, 1e-30, 1e-5, 1 / 127, 0.7, 1.0,
+                             3.3, 1e10, 2.0**64, 1.01 * 2.0**64, 2.0**100, 2.5e36])  # 16 (the kernel's N: 2^k)
+    d = divisors.repeat_interleave(64)
+    x = (torch.rand(d.numel(), generator=g) * 254 - 127) * d
+    x[::64] = 127 * d[::64]  # the absmax row element: quotient 127 up to rounding
+    x[1::64] = 0.0
+    y = torch.empty_like(x, device=DEVICE)
+    _divide_kernel[(1,)](x.to(DEVICE), d.to(DEVICE), y, N=x.numel())
+    want = x / d  # IEEE on the CPU
+    y = y.cpu()
+    normal = want.abs() >= 2.0**-126
+    assert torch.equal(y[normal].view(torch.int32), want[normal].view(torch.int32))
+    assert (y[~normal].abs() < 2.0**-120).all()  # below every quantizer's smallest step
 
 
 # --------------------------------------------------------------------------- attention
