@@ -16,13 +16,16 @@ with ``register_fake``; launched on the current stream), reproducing :mod:`quant
       acc += P_g ⊙ σ[:, g]ᵀ            the group's e4m3 scale, per output channel, fp32
       y    = (acc ⊙ β) · 2⁻ⁿ + bias    epilogue: per-token BF16 scale, exact PTS factor, bias → out dtype
 
-  in two kernels. Decode (M ≤ 16, :func:`_w4a8_decode_kernel`): one launch in which the first M programs
-  quantize the tokens and the GEMM programs wait for them (where a row fits one chunk), ``BLOCK_N`` output
-  channels per program over a run of groups, even/odd input channels as two fp16 tensor-core dots (transposed,
-  ``ŵ x̂ᵀ``, so the unpacked weights are wgmma's register operand), split-K runs summed in a fixed order by the
-  last program to arrive (deterministic). Larger M (:func:`_w4a8_gemm_kernel`): the activation kernel, then FP8
-  tensor-core tiles over all of K. INT4 → fp16 by bit tricks (:func:`_int4_nibbles_fp16`). ``n`` (``pts_exp``)
-  is read from device memory, so a forward never syncs the host.
+  in two kernels (a third on sm_90, below). Decode (M ≤ 16, :func:`_w4a8_decode_kernel`): one launch in which
+  the first M programs quantize the tokens and the GEMM programs wait for them (where a row fits one chunk),
+  ``BLOCK_N`` output channels per program over a run of groups, even/odd input channels as two fp16 tensor-core
+  dots (transposed, ``ŵ x̂ᵀ``, so the unpacked weights are wgmma's register operand), split-K runs summed in a
+  fixed order by the last program to arrive (deterministic). Larger M (:func:`_w4a8_gemm_kernel`): the activation
+  kernel, then FP8 tensor-core tiles over all of K. INT4 → fp16 by bit tricks (:func:`_int4_nibbles_fp16`).
+  ``n`` (``pts_exp``) is read from device memory, so a forward never syncs the host.
+* on sm_90, M ≤ 16: the Gluon decode kernel (:mod:`quantpatch.kernels.w4a8_gluon`, the quantization fused in
+  the same way, same numerics) instead of :func:`_w4a8_decode_kernel`, where ``triton.experimental.gluon``
+  imports (:func:`gluon_unsupported` says why not, once per device, in the log).
 
 Configurations come from one fixed table (:func:`gemm_config`), not a run-time autotuner, so a
 given shape always runs the same program.
@@ -38,6 +41,7 @@ accumulates in fp32.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -45,7 +49,7 @@ import triton
 import triton.language as tl
 
 from quantpatch.dispatch import cuda_unsupported
-from quantpatch.fallback import fall_back, note_implementation
+from quantpatch.fallback import fall_back, logger, note_implementation
 from quantpatch.w4a8_linear import register_w4a8_fast_path
 
 from .qk_quant_triton import _to_fp8e4m3, interpreting
@@ -502,10 +506,14 @@ def w4a8_linear_2d(
 ) -> torch.Tensor:
     """The whole layer on ``x (M, K)`` (last dim contiguous) → ``y (M, N)`` in ``x``'s dtype.
 
-    M ≤ 16 and K ≤ ``DECODE_QBLOCK``: one launch (quantization fused into the decode GEMM); otherwise
+    :func:`uses_gluon` (M ≤ 16 on sm_90, no ``config``): the Gluon decode kernel (quantization fused where
+    K ≤ ``DECODE_QBLOCK``). Else M ≤ 16 and K ≤ ``DECODE_QBLOCK``: one launch (quantization fused into the
+    Triton decode GEMM); otherwise
     :func:`quantize_activation_fp8`, then the decode or tiled GEMM.
     """
     m, k = x.shape
+    if config is None and uses_gluon(m, qweight.shape[0], k, x.device):
+        return _gluon.w4a8_linear_gluon(x, qweight, scales, pts_exp, bias)
     _check_operands(m, k, qweight, scales)
     cfg = gemm_config(m, qweight.shape[0], k) if config is None else config
     y = torch.empty((m, qweight.shape[0]), device=x.device, dtype=x.dtype)
@@ -557,6 +565,42 @@ def w4a8_linear(
     return y.view(*x.shape[:-1], qweight.shape[0])
 
 
+# --------------------------------------------------------------------------- the Gluon decode kernel (sm_90)
+
+
+def gluon_reason(capability: tuple[int, int] | None, import_error: str | None) -> str | None:
+    """Why the Gluon decode kernel cannot run on a CUDA device of ``capability`` (None: not CUDA), or None."""
+    if import_error is not None:
+        return f"triton.experimental.gluon does not import ({import_error})"
+    if capability is None:
+        return "not a CUDA device"
+    if capability[0] != 9:
+        return f"it needs sm_90 (wgmma), got compute capability {capability[0]}.{capability[1]}"
+    return None
+
+
+def gluon_unsupported(device: torch.device) -> str | None:
+    """:func:`gluon_reason` for ``device``, asked once per device; a reason is logged once (there the Triton
+    decode kernel serves M ≤ 16)."""
+    if device not in _GLUON_REASONS:
+        cuda = device.type == "cuda" and torch.version.hip is None
+        reason = _GLUON_REASONS[device] = gluon_reason(torch.cuda.get_device_capability(device) if cuda else None,
+                                                       _GLUON_IMPORT_ERROR)
+        if reason is not None and device.type == "cuda":
+            logger.info("W4A8 decode (M ≤ %d) on %s: the Triton decode kernel, not the Gluon one: %s",
+                        DECODE_BLOCK_M, device, reason)
+    return _GLUON_REASONS[device]
+
+
+_GLUON_REASONS: dict[torch.device, str | None] = {}
+
+
+def uses_gluon(m: int, n: int, k: int, device: torch.device) -> bool:
+    """Whether :func:`w4a8_linear_2d` runs the Gluon decode kernel for ``M × K → N`` on ``device``: where the table
+    picks the decode kernel (M ≤ 16) and :func:`gluon_unsupported` gives no reason."""
+    return gemm_config(m, n, k)["kernel"] == "decode" and gluon_unsupported(device) is None
+
+
 # --------------------------------------------------------------------------- W4A8Linear fast path
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -601,8 +645,17 @@ def _accepts(x: torch.Tensor, module) -> bool:
 
 
 def _run(x: torch.Tensor, module) -> torch.Tensor:
-    note_implementation("triton")
+    gluon = uses_gluon(math.prod(x.shape[:-1]), module.out_features, module.in_features, x.device)
+    note_implementation("gluon" if gluon else "triton")
     return w4a8_linear(x, module.qweight, module.scales, module.pts_exp, module.bias)
 
 
 register_w4a8_fast_path("triton", _accepts, _run)
+
+# last: the Gluon module imports this one's helpers (and needs Triton 3.6's triton.experimental.gluon)
+try:
+    from . import w4a8_gluon as _gluon
+
+    _GLUON_IMPORT_ERROR = None
+except ImportError as _err:
+    _gluon, _GLUON_IMPORT_ERROR = None, str(_err)

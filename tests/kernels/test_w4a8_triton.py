@@ -22,6 +22,9 @@ Bounds (no tuned numbers):
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -285,8 +288,8 @@ def test_module_takes_the_kernel_for_multiples_of_128(kernels_on_this_device, re
     site = SiteRecord("layer", "linear", "w4a8")
     with running_site(site):
         y = mod(x)
-    assert site.implementations == {"triton"} and not site.fallbacks
-    assert y.shape == (2, 3, 67) and y.dtype == torch.bfloat16
+    assert site.implementations == {"gluon" if wt.uses_gluon(6, 67, 256, x.device) else "triton"}
+    assert not site.fallbacks and y.shape == (2, 3, 67) and y.dtype == torch.bfloat16
     expect = wt.w4a8_linear(x, mod.qweight, mod.scales, mod.pts_exp, mod.bias)
     assert torch.equal(y, expect)
     assert not [w for w in recwarn if issubclass(w.category, QuantpatchFallbackWarning)]
@@ -306,6 +309,56 @@ def test_module_falls_back_to_reference_with_one_warning(kernels_on_this_device,
     ref = w4a8_linear_ref(x.cpu(), mod.packed(), mod.bias.cpu(), operand=mod.weight_operand,
                           compute_dtype=torch.float32)
     assert torch.equal(y1.cpu(), ref) and torch.equal(y2, y1)
+
+
+def test_gluon_decode_kernel_needs_sm90_and_gluon():
+    assert wt.gluon_reason((9, 0), None) is None
+    assert "compute capability 8.9" in wt.gluon_reason((8, 9), None)
+    assert "compute capability 10.0" in wt.gluon_reason((10, 0), None)
+    assert "does not import (no gluon)" in wt.gluon_reason((9, 0), "no gluon")
+    assert wt.gluon_reason(None, None) == "not a CUDA device"
+    assert wt.gluon_unsupported(torch.device("cpu")) == "not a CUDA device"
+
+
+def test_gluon_unsupported_asks_a_device_once_and_logs_why(monkeypatch, caplog):
+    device = torch.device("cuda", 99)  # fictitious: its capability is monkeypatched
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: asked.append(d) or (8, 9))
+    monkeypatch.setattr(wt, "_GLUON_REASONS", {})
+    with caplog.at_level(logging.INFO, logger="quantpatch"):
+        assert "compute capability 8.9" in wt.gluon_unsupported(device)
+        assert not wt.uses_gluon(16, 64, 256, device)
+    assert asked == [device]
+    assert len([r for r in caplog.records if "the Triton decode kernel, not the Gluon one" in r.getMessage()]) == 1
+    monkeypatch.setattr(wt, "_GLUON_REASONS", {device: None})  # an sm_90 device
+    assert wt.uses_gluon(16, 64, 256, device) and wt.uses_gluon(1, 64, 256, device)
+    assert not wt.uses_gluon(17, 64, 256, device)
+
+
+def test_module_sends_up_to_16_tokens_to_the_gluon_kernel_where_it_serves(kernels_on_this_device, monkeypatch):
+    """``W4A8Linear`` → the fast path → :func:`w4a8_linear_2d` (the custom op's body): M ≤ 16 tokens to
+    ``w4a8_gluon.w4a8_linear_gluon`` (2-D, recorded as "gluon"), 17 to the Triton tiled path. Gluon has no
+    interpreter: its launcher is replaced by the Triton decode path here."""
+    calls = []
+
+    def gluon_layer(x, qweight, scales, pts_exp, bias):
+        calls.append(tuple(x.shape))
+        return wt.w4a8_linear_2d(x, qweight, scales, pts_exp, bias, config=wt.gemm_config(16, 67, 256))
+
+    monkeypatch.setattr(wt, "gluon_unsupported", lambda device: None)
+    monkeypatch.setattr(wt, "_gluon", SimpleNamespace(w4a8_linear_gluon=gluon_layer))
+    mod = _module(256, 67, seed=70)
+    for shape, impl in (((2, 8, 256), "gluon"), ((17, 256), "triton")):
+        x = _randn(*shape, seed=71).to(torch.bfloat16).to(DEVICE)
+        site = SiteRecord("layer", "linear", "w4a8")
+        with running_site(site):
+            y = mod(x)
+        assert site.implementations == {impl}
+        x2 = x.reshape(-1, 256)
+        cfg = wt.gemm_config(x2.shape[0], 67, 256)
+        assert torch.equal(y.reshape(-1, 67), wt.w4a8_linear_2d(x2, mod.qweight, mod.scales, mod.pts_exp, mod.bias,
+                                                                 config=cfg))
+    assert calls == [(16, 256)]
 
 
 @pytest.mark.skipif(CUDA, reason="the CPU-only path")
