@@ -1,6 +1,6 @@
 """Host time per call of W4A8Linear (M <= 16), the layer function as wired, the Triton decode layer and F.linear.
 
-``python eval/results/bench_linear/h200/gluon_decode_v6/host_time.py`` (CUDA): per shape and M, each callable 10
+``python eval/probes/host_time_w4a8.py`` (CUDA): per shape and M, each callable 10
 times to warm up, then 200 calls while a ``torch.cuda._sleep`` keeps the GPU busy (host time: the GPU never
 waits for the host), then 200 calls timed to a synchronize (wall; weights hot in L2, no flush).
 """
