@@ -490,7 +490,7 @@ def quantize_qkv(
         nq, h, nqb,
         HEAD_DIM=d, BLOCK=block_q, GRAN=GRAN_IDS[qk_granularity], WARPS=warps, QMAX=q_max,
         FMT=qk_fmt, SMOOTH=smooth_q, EMULATE=emulate,
-        num_warps=4,  # 8 (and 16) measured slower on the H200 at 128 × 128 (eval/probes/profile_quant_pass.py)
+        num_warps=4,  # 8 (and 16) measured slower on the H200 at 128 × 128 (bench_attention.py --profile)
     )
 
     # 2. statistics partials of K and V; ΔS_raw = q̄ · Kᵀ
