@@ -288,16 +288,17 @@ def plot(rows: list[dict], path: Path) -> None:
 
     shapes = sorted({(r["k"], r["n"]) for r in rows})
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    impls = sorted({r["impl"] for r in rows if r["impl"] != "w4a8 quant"})
+    color = {impl: plt.get_cmap("tab10")(i % 10) for i, impl in enumerate(impls)}
     for ax, (k, n) in zip(axes[0], shapes):
         sel = [r for r in rows if (r["k"], r["n"]) == (k, n) and r["impl"] != "w4a8 quant"]
         for impl, mode in sorted({(r["impl"], r["mode"]) for r in sel}):
-            pts = sorted((r["m"], r["tflops"]) for r in sel if (r["impl"], r["mode"]) == (impl, mode))
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if impl in BASELINES else "-",
+            pts = sorted((r["m"], r["vs_bf16"]) for r in sel if (r["impl"], r["mode"]) == (impl, mode))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "-" if mode == "eager" else "--", color=color[impl],
                     marker="o" if mode == "eager" else "x", ms=3, label=f"{impl} ({mode})")
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
         ax.set_xlabel("tokens M")
-        ax.set_ylabel("TFLOPS")
+        ax.set_ylabel("speed-up over bf16 F.linear (same mode)")
         ax.set_title(f"{k} → {n}")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
