@@ -12,20 +12,23 @@ the layer, which ``w4a8_triton.w4a8_linear_2d`` runs for M ≤ 16 on sm_90).
 Design (swap AB, one warpgroup per program, ``yᵀ = ŵ x̂ᵀ``)::
 
     programs 0…M-1 (fused): token m → x̂, β (workspace) → flag += 1 (release)
-    program (tile t, run r): 64 output channels × GPS groups of K
-      ld.global.v4  packed weights [64, GPS·64] bytes straight into registers, all in flight at once (per group
-                    16 contiguous bytes a thread, rows r and r + 8 of the wgmma fragment); σ loads
-      (fused: wait until the flag counts M tokens, acquire)
-      x̂ᵀ   of the run's channels → fp16 → shared memory (wgmma's B operand, [64, BM] per group and parity)
+    program (tile t, run r): 64 output channels × a run of CHUNKS · GPC groups of K, a chunk of GPC at a time
+      ld.global.v4  the chunk's packed weights [64, GPC·64] bytes straight into registers, all in flight at once
+                    (per group 16 contiguous bytes a thread, rows r and r + 8 of the wgmma fragment); σ loads
+      (fused, first chunk: wait until the flag counts M tokens, acquire)
+      x̂ of the chunk (int16 pairs); the next chunk's weights, σ and x̂ requested before this one is computed
+      x̂ᵀ   of the chunk's channels → fp16 → shared memory (wgmma's B operand, [64, BM] per group and parity)
       per group: the group's registers
                  → INT4 → fp16 pairs by PTX bit tricks (prmt, lop3, sub/fma.f16x2), already in wgmma's
                    A-operand registers: the group's input channels are relabelled so that the bytes a thread
                    holds are exactly its fragment's K slots, and x̂ᵀ's rows are stored in the same order
                  → 2 async wgmma m64nBMk16 × 4 (even, odd), group g's retired while g + 1 is unpacked
-                 → acc += part · σ_g
+                 → acc += part · σ_g   (over the run's groups in order, whatever the chunking)
 
-The weights never touch shared memory (no TMA, no host tensor descriptor, no ``local_alloc`` round trip), and
-a program has all its weight bytes requested before it computes anything. Host side: a launch plan per shape
+The weights never touch shared memory (no TMA, no host tensor descriptor, no ``local_alloc`` round trip). A
+run of one chunk (CHUNKS = 1) has all its weight bytes requested before it computes anything; longer runs of
+small chunks (:func:`default_gps`) need fewer programs and fewer split-K partials, a chunk's loads overlapping
+the chunk before. Host side: a launch plan per shape
 (:func:`_launch`) calls the compiled kernel's launcher directly after the first call.
 """
 
@@ -53,8 +56,9 @@ from .w4a8_triton import (
 BLOCK_N = gl.constexpr(64)  # output channels per program: wgmma's M
 HALF = gl.constexpr(GROUP_SIZE // 2)  # bytes of one group of one output channel
 MAX_TOKENS = 16  # wgmma's N at most here
-DEFAULT_GPS = 8  # groups per split-K run (reduced to a divisor of the group count)
-MAX_GPS = 8  # registers: a run's weights take GPS × 8 a thread (at 16: 255 registers and spills, sm_90a)
+DEFAULT_GPC = 2  # groups per chunk (loaded while the chunk before is computed; 4 and 8 spill at longer runs)
+MAX_GPC = 8  # registers: a chunk's weights take GPC × 8 a thread, twice (this chunk's and the next)
+PROGRAMS_PER_SM = 2  # the default run is the shortest that needs no more GEMM programs than this a SM
 
 # INT4 pairs → fp16 pairs. In: 4 packed bytes b0..b3 ($4). Out: low nibbles of b0..b3 as fp16 ($0 = b0, b1;
 # $1 = b2, b3), high nibbles likewise ($2, $3). prmt spreads two bytes over the two halves of a word;
@@ -128,16 +132,58 @@ def _quantize_token(X_ptr, XQ_ptr, AS_ptr, C_ptr, m, K, stride_xm, QBLOCK: gl.co
 
 
 @gluon.jit
+def _load_chunk(w_ptrs, w_ok, s_ptrs, s_ok, g, GPC: gl.constexpr):
+    """Groups ``g … g + GPC − 1`` of the program's rows: per group two 16-byte loads a thread (rows r, r + 8),
+    straight into the registers the unpack reads (rows past N as zeros), and their scales σ ``[GPC, 64]``."""
+    wb = ()
+    for j in gl.static_range(GPC):
+        wb = wb + (gl.load(w_ptrs + (g + j) * HALF, mask=w_ok, other=0),)
+    return wb, gl.load(s_ptrs + g, mask=s_ok, other=0.0)
+
+
+@gluon.jit
+def _chunk_mma(acc, wb, xp, sig, xe_s, xo_s, sig_s,
+               acc_l: gl.constexpr, op_l: gl.constexpr, BM: gl.constexpr, GPC: gl.constexpr):
+    """``acc += Σ_j σ_j (ŵ_j x̂_jᵀ)`` over a chunk's GPC groups, in order: ``xp`` (x̂ as int16 pairs
+    ``[GPC, BM, 64]``) and σ staged in shared memory, then per group the unpack into the A fragment and two
+    async wgmma, the previous group's retired meanwhile; all retired on return (the staging buffers are free)."""
+    # x̂ᵀ even and odd channels, tokens ≥ M as zeros, [GPC·BM, 64] fp16, relabelled (bytes → wgmma K order) as
+    # the weights are, so B's rows meet A's K slots; σ [GPC·64] fp32
+    xp = gl.reshape(gl.permute(gl.reshape(xp, [GPC, BM, 4, 4, 2, 2]), (0, 1, 3, 4, 2, 5)), [GPC * BM, HALF])
+    gl.thread_barrier()  # every warp's wgmma of the previous chunk retired before the buffers are rewritten
+    xe_s.store((xp & 0xFF).to(gl.int8).to(gl.float8e4nv, bitcast=True).to(gl.float16))
+    xo_s.store((xp >> 8).to(gl.int8).to(gl.float8e4nv, bitcast=True).to(gl.float16))
+    sig_s.store(gl.reshape(sig.to(gl.float32), [GPC * BLOCK_N]))
+    hopper.fence_async_shared()
+    gl.thread_barrier()
+    zero = gl.zeros([BLOCK_N, BM], gl.float32, acc_l)
+    tok = zero
+    for j in gl.static_range(GPC):
+        lo, hi = _unpack_int4(wb[j])
+        nxt = hopper.warpgroup_mma(_as_k_order(lo, op_l), xe_s.slice(j * BM, BM).permute((1, 0)), zero,
+                                   use_acc=False, is_async=True)
+        nxt = hopper.warpgroup_mma(_as_k_order(hi, op_l), xo_s.slice(j * BM, BM).permute((1, 0)), nxt, is_async=True)
+        if j > 0:
+            part = hopper.warpgroup_mma_wait(2, deps=[tok])
+            acc += part * sig_s.slice((j - 1) * BLOCK_N, BLOCK_N).load(gl.SliceLayout(1, acc_l))[:, None]
+        tok = nxt
+    part = hopper.warpgroup_mma_wait(0, deps=[tok])
+    return acc + part * sig_s.slice((GPC - 1) * BLOCK_N, BLOCK_N).load(gl.SliceLayout(1, acc_l))[:, None]
+
+
+@gluon.jit
 def _gemm_program(
     c, W_ptr, XP_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,
     M, N, K, stride_wn, stride_sn, stride_ym,
-    BM: gl.constexpr, GPS: gl.constexpr, SPLIT_K: gl.constexpr, FUSED: gl.constexpr,
+    BM: gl.constexpr, GPC: gl.constexpr, CHUNKS: gl.constexpr, SPLIT_K: gl.constexpr, FUSED: gl.constexpr,
     HAS_BIAS: gl.constexpr,
 ):
-    """GEMM program ``c``: output channels ``64 (c mod tiles) …`` over groups ``GPS (c div tiles) …``.
+    """GEMM program ``c``: output channels ``64 (c mod tiles) …`` over a run of ``CHUNKS · GPC`` groups of K,
+    starting at group ``CHUNKS · GPC · (c div tiles)``, a chunk of GPC groups at a time, the next chunk's weights,
+    σ and x̂ in flight while this one is computed.
 
-    ``FUSED``: ``x̂``/``β`` come from this launch's first M programs; the weights, the scales σ and nothing else
-    are requested before the wait on their flag.
+    ``FUSED``: ``x̂``/``β`` come from this launch's first M programs; the first chunk's weights and σ and
+    nothing else are requested before the wait on their flag.
     """
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     op_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
@@ -156,66 +202,48 @@ def _gemm_program(
     tile = c % tiles
     run = c // tiles
     n0 = tile * BLOCK_N
-    g0 = run * GPS
+    g0 = run * (CHUNKS * GPC)
 
-    # 1. every weight byte of the run in flight: per group two 16-byte loads a thread (rows r, r + 8), straight
-    #    into the registers the unpack reads (rows past N as zeros); then the run's group scales σ
+    # 1. the first chunk's weights and σ in flight
     r_w = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_l))
     c_w = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld_l))
     w_ptrs = W_ptr + (n0 + r_w[:, None]).to(gl.int64) * stride_wn + g0 * HALF + c_w[None, :]
     w_ok = (n0 + r_w < N)[:, None]
-    wb = ()
-    for g in gl.static_range(GPS):
-        wb = wb + (gl.load(w_ptrs + g * HALF, mask=w_ok, other=0),)
-    g_s = gl.arange(0, GPS, layout=gl.SliceLayout(1, s_l))
+    g_s = gl.arange(0, GPC, layout=gl.SliceLayout(1, s_l))
     r_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
-    sig = gl.load(WS_ptr + (n0 + r_s[None, :]).to(gl.int64) * stride_sn + g0 + g_s[:, None],
-                  mask=(n0 + r_s < N)[None, :], other=0.0)
+    s_ptrs = WS_ptr + (n0 + r_s[None, :]).to(gl.int64) * stride_sn + g0 + g_s[:, None]
+    s_ok = (n0 + r_s < N)[None, :]
+    wb, sig = _load_chunk(w_ptrs, w_ok, s_ptrs, s_ok, 0, GPC)
 
-    # 2. x̂ of the run (fused: once all M tokens are counted on the flag C[0], acquire; programs of lower index,
-    #    which the GPU starts first, set it); the last program past the wait sets C[0], C[1] back to 0
+    # 2. x̂ (fused: once all M tokens are counted on the flag C[0], acquire; programs of lower index, which the
+    #    GPU starts first, set it); the last program past the wait sets C[0], C[1] back to 0
     if FUSED:
         while gl.atomic_add(C_ptr, 0, sem="acquire", scope="gpu") < M:
             pass
-    g_x = gl.arange(0, GPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_l)))
+    g_x = gl.arange(0, GPC, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_l)))
     m_x = gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_l)))
     c_x = gl.arange(0, HALF, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_l)))
-    x_off = m_x[None, :, None] * (K // 2) + (g0 + g_x[:, None, None]) * HALF + c_x[None, None, :]
-    xp = gl.load(XP_ptr + x_off, mask=(m_x < M)[None, :, None], other=0, cache_modifier=".cg")  # 16 B a thread
+    x_ptrs = XP_ptr + m_x[None, :, None] * (K // 2) + (g0 + g_x[:, None, None]) * HALF + c_x[None, None, :]
+    x_ok = (m_x < M)[None, :, None]
+    xp = gl.load(x_ptrs, mask=x_ok, other=0, cache_modifier=".cg")  # 16 B a thread a group
     if FUSED:
         if gl.atomic_add(C_ptr + 1, 1, sem="relaxed", scope="gpu") == gl.num_programs(0) - M - 1:
             gl.atomic_xchg(C_ptr, 0, sem="relaxed", scope="gpu")
             gl.atomic_xchg(C_ptr + 1, 0, sem="relaxed", scope="gpu")
 
-    # 3. x̂ᵀ even and odd channels, tokens ≥ M as zeros, [GPS·BM, 64] fp16, relabelled (bytes → wgmma K order) as
-    #    the weights are, so B's rows meet A's K slots; σ [GPS·64] fp32
-    xp = gl.reshape(gl.permute(gl.reshape(xp, [GPS, BM, 4, 4, 2, 2]), (0, 1, 3, 4, 2, 5)), [GPS * BM, HALF])
-    x_even = (xp & 0xFF).to(gl.int8).to(gl.float8e4nv, bitcast=True).to(gl.float16)
-    x_odd = (xp >> 8).to(gl.int8).to(gl.float8e4nv, bitcast=True).to(gl.float16)
-    xe_s = gl.allocate_shared_memory(gl.float16, [GPS * BM, HALF], x_smem_l, x_even)
-    xo_s = gl.allocate_shared_memory(gl.float16, [GPS * BM, HALF], x_smem_l, x_odd)
-    sig_s = gl.allocate_shared_memory(gl.float32, [GPS * BLOCK_N], flat_l, gl.reshape(sig.to(gl.float32),
-                                                                                       [GPS * BLOCK_N]))
-    hopper.fence_async_shared()
-    gl.thread_barrier()
-
-    # 4. per group: unpack into the A fragment, two async wgmma, retire the previous group's
-    zero = gl.zeros([BLOCK_N, BM], gl.float32, acc_l)
+    # 3. per chunk: the next chunk's loads, then this chunk's wgmma (shared-memory staging reused by every chunk)
+    xe_s = gl.allocate_shared_memory(gl.float16, [GPC * BM, HALF], x_smem_l)
+    xo_s = gl.allocate_shared_memory(gl.float16, [GPC * BM, HALF], x_smem_l)
+    sig_s = gl.allocate_shared_memory(gl.float32, [GPC * BLOCK_N], flat_l)
     acc = gl.zeros([BLOCK_N, BM], gl.float32, acc_l)
-    tok = zero
-    for g in gl.static_range(GPS):
-        lo, hi = _unpack_int4(wb[g])
-        nxt = hopper.warpgroup_mma(_as_k_order(lo, op_l), xe_s.slice(g * BM, BM).permute((1, 0)), zero,
-                                   use_acc=False, is_async=True)
-        nxt = hopper.warpgroup_mma(_as_k_order(hi, op_l), xo_s.slice(g * BM, BM).permute((1, 0)), nxt, is_async=True)
-        if g > 0:
-            part = hopper.warpgroup_mma_wait(2, deps=[tok])
-            acc += part * sig_s.slice((g - 1) * BLOCK_N, BLOCK_N).load(gl.SliceLayout(1, acc_l))[:, None]
-        tok = nxt
-    part = hopper.warpgroup_mma_wait(0, deps=[tok])
-    acc += part * sig_s.slice((GPS - 1) * BLOCK_N, BLOCK_N).load(gl.SliceLayout(1, acc_l))[:, None]
+    for i in gl.static_range(1, CHUNKS):
+        wb_next, sig_next = _load_chunk(w_ptrs, w_ok, s_ptrs, s_ok, i * GPC, GPC)
+        xp_next = gl.load(x_ptrs + i * (GPC * HALF), mask=x_ok, other=0, cache_modifier=".cg")
+        acc = _chunk_mma(acc, wb, xp, sig, xe_s, xo_s, sig_s, acc_l, op_l, BM, GPC)
+        wb, sig, xp = wb_next, sig_next, xp_next
+    acc = _chunk_mma(acc, wb, xp, sig, xe_s, xo_s, sig_s, acc_l, op_l, BM, GPC)
 
-    # 5. epilogue, or this run's partial and the tile's ticket C[2 + tile] (the last run sums all partials in order)
+    # 4. epilogue, or this run's partial and the tile's ticket C[2 + tile] (the last run sums all partials in order)
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
     offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
     n_ok = offs_n < N
@@ -243,7 +271,7 @@ def _gemm_program(
 def _w4a8_decode_gluon(
     X_ptr, XQ_ptr, W_ptr, XP_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,
     M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-    BM: gl.constexpr, GPS: gl.constexpr, SPLIT_K: gl.constexpr, FUSED: gl.constexpr,
+    BM: gl.constexpr, GPC: gl.constexpr, CHUNKS: gl.constexpr, SPLIT_K: gl.constexpr, FUSED: gl.constexpr,
     QBLOCK: gl.constexpr, HAS_BIAS: gl.constexpr,
 ):
     """One launch: ``tiles × SPLIT_K`` GEMM programs (:func:`_gemm_program`), after ``M`` quantizing ones if ``FUSED``.
@@ -264,19 +292,33 @@ def _w4a8_decode_gluon(
             _quantize_token(X_ptr, XQ_ptr, AS_ptr, C_ptr, pid, K, stride_xm, QBLOCK)
         else:
             _gemm_program(pid - M, W_ptr, XP_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,
-                          M, N, K, stride_wn, stride_sn, stride_ym, BM, GPS, SPLIT_K, FUSED, HAS_BIAS)
+                          M, N, K, stride_wn, stride_sn, stride_ym, BM, GPC, CHUNKS, SPLIT_K, FUSED, HAS_BIAS)
     else:
         _gemm_program(pid, W_ptr, XP_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,
-                      M, N, K, stride_wn, stride_sn, stride_ym, BM, GPS, SPLIT_K, FUSED, HAS_BIAS)
+                      M, N, K, stride_wn, stride_sn, stride_ym, BM, GPC, CHUNKS, SPLIT_K, FUSED, HAS_BIAS)
 
 
-def run_shape(groups: int, gps: int | None = None) -> int:
-    """Groups per split-K run: ``gps`` (default :data:`DEFAULT_GPS`, at most :data:`MAX_GPS`) lowered to a power
-    of two (``gl.arange``) that divides ``groups``."""
-    gps = min(gps or DEFAULT_GPS, MAX_GPS, groups)
-    while groups % gps or gps & (gps - 1):
-        gps -= 1
-    return gps
+def run_shape(groups: int, gps: int, gpc: int | None = None) -> tuple[int, int]:
+    """``(GPC, CHUNKS)``: groups per chunk ``gpc`` (default :data:`DEFAULT_GPC`, at most :data:`MAX_GPC`) lowered
+    to a power of two (``gl.arange``) that divides ``groups``; chunks per split-K run: the run, ``gps`` groups
+    lowered to a multiple of GPC that divides ``groups``, over GPC."""
+    gpc = min(gpc or DEFAULT_GPC, MAX_GPC, groups)
+    while groups % gpc or gpc & (gpc - 1):
+        gpc -= 1
+    chunks = max(1, min(gps, groups) // gpc)
+    while groups % (chunks * gpc):
+        chunks -= 1
+    return gpc, chunks
+
+
+def default_gps(tiles: int, groups: int, sms: int) -> int:
+    """Groups per split-K run by default: the shortest run of whole :data:`DEFAULT_GPC`-group chunks dividing
+    ``groups`` with ``tiles × runs ≤ PROGRAMS_PER_SM · sms`` (one wave; the whole K if none is that short)."""
+    gpc = run_shape(groups, groups)[0]
+    for run in range(gpc, groups, gpc):
+        if groups % run == 0 and tiles * (groups // run) <= PROGRAMS_PER_SM * sms:
+            return run
+    return groups
 
 
 # Launch plans: (stream key, fused, M, N, K, gps, out dtype, strides, each caller tensor's dtype and 16-byte
@@ -286,7 +328,7 @@ def run_shape(groups: int, gps: int | None = None) -> int:
 _PLANS: dict[tuple, tuple] = {}
 
 
-def _launch(x, x_hat, beta, qweight, scales, pts_exp, bias, y, gps: int | None) -> None:
+def _launch(x, x_hat, beta, qweight, scales, pts_exp, bias, y, gps: int | None, gpc: int | None) -> None:
     """One launch of :func:`_w4a8_decode_gluon` into ``y (M, N)``: from ``x (M, K)`` (quantization fused) if given,
     else from ``x̂ (M, K), β (M,)``.
 
@@ -298,11 +340,11 @@ def _launch(x, x_hat, beta, qweight, scales, pts_exp, bias, y, gps: int | None) 
     skey = _stream_key(y.device)
     src = x if fused else x_hat
     caller = (src, qweight, scales, pts_exp) + (() if fused else (beta,)) + (() if bias is None else (bias,))
-    key = (skey, fused, m, n, k, gps, y.dtype, bias is None, src.stride(0), qweight.stride(0), scales.stride(0),
+    key = (skey, fused, m, n, k, gps, gpc, y.dtype, bias is None, src.stride(0), qweight.stride(0), scales.stride(0),
            *[(t.dtype, t.data_ptr() % 16 == 0) for t in caller])
     plan = _PLANS.get(key)
     if plan is None:
-        _PLANS[key] = _first_launch(x, x_hat, beta, qweight, scales, pts_exp, bias, y, gps, skey)
+        _PLANS[key] = _first_launch(x, x_hat, beta, qweight, scales, pts_exp, bias, y, gps, gpc, skey)
         return
     kernel, grid, split, ints = plan
     if fused:
@@ -318,14 +360,15 @@ def _launch(x, x_hat, beta, qweight, scales, pts_exp, bias, y, gps: int | None) 
                knobs.runtime.launch_exit_hook, *args)
 
 
-def _first_launch(x, x_hat, beta, qweight, scales, pts_exp, bias, y, gps, skey) -> tuple:
+def _first_launch(x, x_hat, beta, qweight, scales, pts_exp, bias, y, gps, gpc, skey) -> tuple:
     """:func:`_launch` through ``JITFunction.run`` (workspaces made or grown here); returns the plan."""
     m, n = y.shape
     k = qweight.shape[1] * 2
     groups = k // GROUP_SIZE
-    gps = run_shape(groups, gps)
-    split = groups // gps
     tiles = triton.cdiv(n, BLOCK_N.value)
+    sms = torch.cuda.get_device_properties(y.device).multi_processor_count
+    gpc, chunks = run_shape(groups, gps or default_gps(tiles, groups, sms), gpc)
+    split = groups // (gpc * chunks)
     counters = _scratch(skey, "gluon_counters", 2 + tiles, torch.int32, y.device)
     work = _scratch(skey, "gluon_partials", split * m * n, torch.float32, y.device) if split > 1 else y
     fused = x is not None
@@ -336,7 +379,7 @@ def _first_launch(x, x_hat, beta, qweight, scales, pts_exp, bias, y, gps, skey) 
         x, x_pairs = x_hat, x_hat.view(torch.int16)
     grid = (m if fused else 0) + tiles * split
     ints = (m, n, k, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-            8 if m <= 8 else 16, gps, split, fused, max(1024, triton.next_power_of_2(k)), bias is not None)
+            8 if m <= 8 else 16, gpc, chunks, split, fused, max(1024, triton.next_power_of_2(k)), bias is not None)
     kernel = _w4a8_decode_gluon[(grid,)](
         x, x_hat, qweight, x_pairs, beta, scales, beta if bias is None else bias, pts_exp, work, counters, y,
         *ints, num_warps=4)
@@ -359,9 +402,11 @@ def w4a8_gemm_gluon(
     out_dtype: torch.dtype = torch.bfloat16,
     *,
     gps: int | None = None,
+    gpc: int | None = None,
 ) -> torch.Tensor:
     """The GEMM alone: ``y = β · 2⁻ⁿ · Σ_g σ_g (x̂_g ŵ_gᵀ) + bias`` for ``M ≤ 16`` tokens, as
-    :func:`~quantpatch.kernels.w4a8_triton.w4a8_gemm` (same arguments; ``gps``: groups per split-K run).
+    :func:`~quantpatch.kernels.w4a8_triton.w4a8_gemm` (same arguments; ``gps``: groups per split-K run,
+    ``gpc``: groups per chunk, :func:`run_shape`).
 
     Args:
         x_hat: ``float8_e4m3fn (M, K)``, contiguous, K a multiple of 128.
@@ -380,13 +425,13 @@ def w4a8_gemm_gluon(
         raise ValueError("x_hat must be contiguous")
     y = torch.empty((m, qweight.shape[0]), device=x_hat.device, dtype=out_dtype)
     if m and y.shape[1]:
-        _launch(None, x_hat, x_scale, qweight, scales, pts_exp, bias, y, gps)
+        _launch(None, x_hat, x_scale, qweight, scales, pts_exp, bias, y, gps, gpc)
     return y
 
 
 def w4a8_linear_gluon(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pts_exp: torch.Tensor,
-    bias: torch.Tensor | None = None, *, gps: int | None = None,
+    bias: torch.Tensor | None = None, *, gps: int | None = None, gpc: int | None = None,
 ) -> torch.Tensor:
     """The whole layer on ``x (M ≤ 16, K)`` (last dim contiguous) → ``y (M, N)`` in ``x``'s dtype: what
     :func:`~quantpatch.kernels.w4a8_triton.w4a8_linear_2d` runs for M ≤ 16 on sm_90.
@@ -403,7 +448,7 @@ def w4a8_linear_gluon(
     y = torch.empty((m, qweight.shape[0]), device=x.device, dtype=x.dtype)
     if m and y.shape[1]:
         if k <= DECODE_QBLOCK:
-            _launch(x, None, None, qweight, scales, pts_exp, bias, y, gps)
+            _launch(x, None, None, qweight, scales, pts_exp, bias, y, gps, gpc)
         else:
-            _launch(None, *quantize_activation_fp8(x), qweight, scales, pts_exp, bias, y, gps)
+            _launch(None, *quantize_activation_fp8(x), qweight, scales, pts_exp, bias, y, gps, gpc)
     return y

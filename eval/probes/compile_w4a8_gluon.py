@@ -1,6 +1,7 @@
 """Compile ``kernels/w4a8_gluon.py`` for sm_90 without a GPU (Triton 3.6 in a CPU venv) and print its wgmma /
 wait sequence, registers, spills, shared memory and ptxas advisories:
-``python eval/probes/compile_w4a8_gluon.py [GPS] [BM] [SPLIT_K] [FUSED] [QBLOCK]`` (defaults 8 16 4 1 4096)."""
+``python eval/probes/compile_w4a8_gluon.py [GPS] [BM] [SPLIT_K] [FUSED] [QBLOCK] [GPC]`` (defaults 8 16 4 1 4096 2;
+GPS: groups per run, GPC: per chunk)."""
 
 import os
 import re
@@ -16,7 +17,8 @@ from quantpatch.kernels.w4a8_gluon import _w4a8_decode_gluon as kernel
 from quantpatch.kernels.w4a8_gluon import run_shape
 
 gps_arg = int(sys.argv[1]) if len(sys.argv) > 1 else 8
-gps = run_shape(gps_arg, gps_arg)
+gpc_arg = int(sys.argv[6]) if len(sys.argv) > 6 else 2
+gpc, chunks = run_shape(gps_arg, gps_arg, gpc_arg)
 bm = int(sys.argv[2]) if len(sys.argv) > 2 else 16
 split = int(sys.argv[3]) if len(sys.argv) > 3 else 4
 fused = int(sys.argv[4]) if len(sys.argv) > 4 else 1
@@ -25,7 +27,7 @@ names = kernel.arg_names
 types = dict(X_ptr="*bf16", XQ_ptr="*fp8e4nv", XP_ptr="*i16", W_ptr="*u8",
              AS_ptr="*bf16", WS_ptr="*fp8e4nv", B_ptr="*bf16", PTS_ptr="*i32", P_ptr="*fp32", C_ptr="*i32",
              Y_ptr="*bf16")
-constexprs = dict(BM=bm, GPS=gps, SPLIT_K=split, FUSED=fused, QBLOCK=qblock, HAS_BIAS=True)
+constexprs = dict(BM=bm, GPC=gpc, CHUNKS=chunks, SPLIT_K=split, FUSED=fused, QBLOCK=qblock, HAS_BIAS=True)
 signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
 aligned = [n for n in names if n.endswith("_ptr")] + ["K", "stride_wn"]
 src = GluonASTSource(fn=kernel, signature=signature,
@@ -58,7 +60,7 @@ ptxas = subprocess.run([bin_dir + "ptxas", "-arch=sm_90a", "-v", ptx_file, "-o",
 sass = subprocess.run([bin_dir + "cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
 mem = {op: len(re.findall(op, ptx)) for op in ("ld.shared.v4", "ld.shared.v2", "ld.shared.b", "st.shared",
                                                "ld.global.v4", "ld.global", "prmt", "lop3", "bar.sync")}
-print(f"GPS {gps} BM {bm} SPLIT_K {split} FUSED {fused} QBLOCK {qblock}")
+print(f"GPC {gpc} CHUNKS {chunks} BM {bm} SPLIT_K {split} FUSED {fused} QBLOCK {qblock}")
 print("wgmma sequence:", " ".join(f"{s}x{n}" if n > 1 else s for s, n in steps))
 print("PTX op counts:", mem)
 print("SASS: HGMMA", sass.count("HGMMA"), "WARPGROUP.DEPBAR", sass.count("WARPGROUP.DEPBAR"),

@@ -16,14 +16,14 @@ from tests.kernels.test_w4a8_triton import _error_bound, _layer, _randn
 hopper = pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] != 9, reason="needs an sm_90 GPU")
 
 
-def _check(m, n, k, *, seed, gps=None, pts=True, bias=True, dtype=torch.bfloat16):
+def _check(m, n, k, *, seed, gps=None, gpc=None, pts=True, bias=True, dtype=torch.bfloat16):
     from quantpatch.kernels import w4a8_gluon as wg
     from quantpatch.kernels import w4a8_triton as wt
 
     packed, (qw, sc, pe, b) = _layer(n, k, seed=seed, pts=pts, bias=bias)
     x = _randn(m, k, seed=seed + 2).to(dtype)
     x_hat, beta = wt.quantize_activation_fp8(x.cuda())
-    y = wg.w4a8_gemm_gluon(x_hat, beta, qw, sc, pe, b, dtype, gps=gps)
+    y = wg.w4a8_gemm_gluon(x_hat, beta, qw, sc, pe, b, dtype, gps=gps, gpc=gpc)
     assert y.shape == (m, n) and y.dtype == dtype
     y_ref = w4a8_linear_ref(x, packed, None if b is None else b.cpu(), compute_dtype=torch.float32)
     err = (y.cpu().double() - y_ref.double()).abs()
@@ -47,6 +47,19 @@ def test_gpu_gluon_gemm_matches_reference(m, n, k, gps):
     y, ops = _check(m, n, k, seed=m + n + k, gps=gps)
     assert not wt._SCRATCH[(wt._stream_key(y.device), "gluon_counters")].any()
     assert torch.equal(wg.w4a8_gemm_gluon(*ops, torch.bfloat16, gps=gps), y)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@hopper
+@pytest.mark.parametrize("m, n, k, gps, gpc", [(16, 4096, 4096, 8, 8), (16, 4096, 4096, 8, 4), (9, 1000, 14336, 56, 2),
+                                               (1, 1000, 14336, 28, 1)])
+def test_gpu_gluon_gemm_chunks(m, n, k, gps, gpc):
+    """Other chunk sizes (groups loaded at once) and run lengths: within the bound, deterministic."""
+    from quantpatch.kernels import w4a8_gluon as wg
+
+    y, ops = _check(m, n, k, seed=m + k + gpc, gps=gps, gpc=gpc)
+    assert torch.equal(wg.w4a8_gemm_gluon(*ops, torch.bfloat16, gps=gps, gpc=gpc), y)
 
 
 @pytest.mark.gpu
