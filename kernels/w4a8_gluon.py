@@ -53,6 +53,8 @@ from .w4a8_triton import (
     quantize_activation_fp8,
 )
 
+# the CTA barrier: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7 on (both a plain bar.sync)
+_cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 BLOCK_N = gl.constexpr(64)  # output channels per program: wgmma's M
 HALF = gl.constexpr(GROUP_SIZE // 2)  # bytes of one group of one output channel
 MAX_TOKENS = 16  # wgmma's N at most here
@@ -127,7 +129,7 @@ def _quantize_token(X_ptr, XQ_ptr, AS_ptr, C_ptr, m, K, stride_xm, QBLOCK: gl.co
     beta = gl.where(beta == 0.0, 1.0, beta)  # bf16 underflow
     gl.store(XQ_ptr + m * K + offs, gl.div_rn(x, beta).to(gl.float8e4nv), mask=offs < K)  # cvt.rn.satfinite
     gl.store(AS_ptr + m, beta.to(gl.bfloat16))  # exact: β is on the bf16 grid
-    gl.thread_barrier()  # every thread's x̂ is written before the flag (release) counts this token
+    _cta_barrier()  # every thread's x̂ is written before the flag (release) counts this token
     gl.atomic_add(C_ptr, 1, sem="release", scope="gpu")
 
 
@@ -150,12 +152,12 @@ def _chunk_mma(acc, wb, xp, sig, xe_s, xo_s, sig_s,
     # x̂ᵀ even and odd channels, tokens ≥ M as zeros, [GPC·BM, 64] fp16, relabelled (bytes → wgmma K order) as
     # the weights are, so B's rows meet A's K slots; σ [GPC·64] fp32
     xp = gl.reshape(gl.permute(gl.reshape(xp, [GPC, BM, 4, 4, 2, 2]), (0, 1, 3, 4, 2, 5)), [GPC * BM, HALF])
-    gl.thread_barrier()  # every warp's wgmma of the previous chunk retired before the buffers are rewritten
+    _cta_barrier()  # every warp's wgmma of the previous chunk retired before the buffers are rewritten
     xe_s.store((xp & 0xFF).to(gl.int8).to(gl.float8e4nv, bitcast=True).to(gl.float16))
     xo_s.store((xp >> 8).to(gl.int8).to(gl.float8e4nv, bitcast=True).to(gl.float16))
     sig_s.store(gl.reshape(sig.to(gl.float32), [GPC * BLOCK_N]))
     hopper.fence_async_shared()
-    gl.thread_barrier()
+    _cta_barrier()
     zero = gl.zeros([BLOCK_N, BM], gl.float32, acc_l)
     tok = zero
     for j in gl.static_range(GPC):
@@ -256,7 +258,7 @@ def _gemm_program(
     else:
         p_ptrs = P_ptr + offs_m[None, :] * N + offs_n[:, None]
         gl.store(p_ptrs + run * M * N, acc, mask=mask)
-        gl.thread_barrier()  # every thread's partial is written before the ticket (release) is taken
+        _cta_barrier()  # every thread's partial is written before the ticket (release) is taken
         ticket = gl.atomic_add(C_ptr + 2 + tile, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLIT_K - 1:
             total = gl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=".cg")

@@ -513,7 +513,12 @@ def w4a8_linear_2d(
     """
     m, k = x.shape
     if config is None and uses_gluon(m, qweight.shape[0], k, x.device):
-        return _gluon.w4a8_linear_gluon(x, qweight, scales, pts_exp, bias)
+        try:
+            return _gluon.w4a8_linear_gluon(x, qweight, scales, pts_exp, bias)
+        except triton.CompilationError as err:  # a Triton whose Gluon API differs: warn once, Triton serves
+            _GLUON_REASONS[x.device] = f"the Gluon kernel does not compile with Triton {triton.__version__}"
+            logger.warning("W4A8 decode on %s: %s (%s); the Triton decode kernel serves M ≤ %d",
+                           x.device, _GLUON_REASONS[x.device], str(err)[:300], DECODE_BLOCK_M)
     _check_operands(m, k, qweight, scales)
     cfg = gemm_config(m, qweight.shape[0], k) if config is None else config
     y = torch.empty((m, qweight.shape[0]), device=x.device, dtype=x.dtype)
@@ -645,9 +650,11 @@ def _accepts(x: torch.Tensor, module) -> bool:
 
 
 def _run(x: torch.Tensor, module) -> torch.Tensor:
+    y = w4a8_linear(x, module.qweight, module.scales, module.pts_exp, module.bias)
+    # asked after the call: a Gluon kernel that failed to compile has switched this device to Triton
     gluon = uses_gluon(math.prod(x.shape[:-1]), module.out_features, module.in_features, x.device)
     note_implementation("gluon" if gluon else "triton")
-    return w4a8_linear(x, module.qweight, module.scales, module.pts_exp, module.bias)
+    return y
 
 
 register_w4a8_fast_path("triton", _accepts, _run)

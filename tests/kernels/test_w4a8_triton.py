@@ -361,6 +361,30 @@ def test_module_sends_up_to_16_tokens_to_the_gluon_kernel_where_it_serves(kernel
     assert calls == [(16, 256)]
 
 
+def test_gluon_kernel_that_does_not_compile_warns_once_and_triton_serves(kernels_on_this_device, monkeypatch,
+                                                                        caplog):
+    """A Triton whose Gluon API differs from the one the kernel is written for: the first call logs a warning,
+    the Triton decode kernel serves it and every later call, and the call is recorded as "triton"."""
+    import triton
+
+    def gluon_layer(*args):
+        calls.append(1)
+        raise triton.CompilationError("def kernel(): ...", None, "no attribute 'thread_barrier'")
+
+    calls = []
+    monkeypatch.setattr(wt, "_GLUON_REASONS", {torch.device(DEVICE): None})  # as on an sm_90 device
+    monkeypatch.setattr(wt, "_gluon", SimpleNamespace(w4a8_linear_gluon=gluon_layer))
+    mod = _module(256, 67, seed=72)
+    x = _randn(4, 256, seed=73).to(torch.bfloat16).to(DEVICE)
+    site = SiteRecord("layer", "linear", "w4a8")
+    with caplog.at_level(logging.WARNING, logger="quantpatch"), running_site(site):
+        y1, y2 = mod(x), mod(x)
+    assert calls == [1] and site.implementations == {"triton"}
+    assert len([r for r in caplog.records if "does not compile with Triton" in r.getMessage()]) == 1
+    want = wt.w4a8_linear_2d(x, mod.qweight, mod.scales, mod.pts_exp, mod.bias, config=wt.gemm_config(4, 67, 256))
+    assert torch.equal(y1, want) and torch.equal(y2, want)
+
+
 @pytest.mark.skipif(CUDA, reason="the CPU-only path")
 def test_module_on_cpu_uses_the_reference_silently(recwarn):
     reset_fallback_warnings()
