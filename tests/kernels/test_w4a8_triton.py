@@ -73,17 +73,23 @@ def _error_bound(x, packed, bias, y_ref, out_dtype):
     return 2 * (GAMMA_GROUP + (groups + 4) * U_FP32) * mag + eps_out * y_ref.double().abs()
 
 
+def _assert_within_bound(y, x, packed, bias, out_dtype):
+    """``y (M, N)`` against :func:`w4a8_linear_ref` on the CPU (``packed`` on the CPU) within :func:`_error_bound`."""
+    x = x.cpu()
+    y_ref = w4a8_linear_ref(x, packed, None if bias is None else bias.cpu(), compute_dtype=torch.float32)
+    err = (y.cpu().double() - y_ref.double()).abs()
+    bound = _error_bound(x, packed, bias, y_ref, out_dtype)
+    assert torch.isfinite(y.cpu()).all()
+    assert (err <= bound).all(), f"max err {err.max():.3e}, worst err/bound {(err / bound).max():.3f}"
+
+
 def _check_gemm(m, n, k, *, seed, dtype, pts=True, bias=True, config=None):
     packed, (qw, sc, pe, b) = _layer(n, k, seed=seed, pts=pts, bias=bias)
     x = _randn(m, k, seed=seed + 2).to(dtype)
     x_hat, beta = wt.quantize_activation_fp8(x.to(DEVICE))
     y = wt.w4a8_gemm(x_hat, beta, qw, sc, pe, b, dtype, config=config)
     assert y.shape == (m, n) and y.dtype == dtype
-    y_ref = w4a8_linear_ref(x, packed, None if b is None else b.cpu(), compute_dtype=torch.float32)
-    err = (y.cpu().double() - y_ref.double()).abs()
-    bound = _error_bound(x, packed, b, y_ref, dtype)
-    assert torch.isfinite(y.cpu()).all()
-    assert (err <= bound).all(), f"max err {err.max():.3e}, worst err/bound {(err / bound).max():.3f}"
+    _assert_within_bound(y, x, packed, b, dtype)
     return y
 
 
@@ -185,9 +191,7 @@ def test_decode_kernel_fused_quantization(m, swap, gps, monkeypatch):
     assert _counters_are_zero(fused.device)
     two_step = wt.w4a8_linear_2d(x, qw, sc, pe, b, config=_decode_cfg(32, gps, fused=0, swap=swap))
     assert torch.equal(fused, two_step)
-    y_ref = w4a8_linear_ref(x.cpu(), packed, None if b is None else b.cpu(), compute_dtype=torch.float32)
-    err = (fused.cpu().double() - y_ref.double()).abs()
-    assert (err <= _error_bound(x.cpu(), packed, b, y_ref, torch.bfloat16)).all()
+    _assert_within_bound(fused, x, packed, b, torch.bfloat16)
 
 
 def test_decode_fuses_only_rows_that_fit_one_chunk(monkeypatch):
