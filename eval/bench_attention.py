@@ -87,15 +87,22 @@ def bench(fn: Callable[[int], object], n_sets: int, warmup: int, rep: int) -> fl
                                          return_mode="median"))
 
 
-def graph_replays(fn: Callable[[int], object], n_sets: int) -> Callable[[int], object]:
-    """``fn(i)`` captured once per input set in a CUDA graph (warmed up on a side stream first: compilation
-    and cached workspaces stay outside the capture); returns ``i ↦ replay``."""
+def warm_up_on_side_stream(fn: Callable[[int], object], n_sets: int) -> torch.cuda.Stream:
+    """``fn(i)`` for every input set on a side stream (compilation and cached workspaces before a CUDA-graph
+    capture, which needs them made outside it); the current stream waits for it. Returns the side stream."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for i in range(n_sets):
             fn(i)
     torch.cuda.current_stream().wait_stream(side)
+    return side
+
+
+def graph_replays(fn: Callable[[int], object], n_sets: int) -> Callable[[int], object]:
+    """``fn(i)`` captured once per input set in a CUDA graph (warmed up on a side stream first: compilation
+    and cached workspaces stay outside the capture); returns ``i ↦ replay``."""
+    warm_up_on_side_stream(fn, n_sets)
     graphs = []
     for i in range(n_sets):
         graph = torch.cuda.CUDAGraph()

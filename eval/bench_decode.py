@@ -47,13 +47,17 @@ import logging
 import math
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
-from quantpatch.environment import environment_info
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import warm_up_on_side_stream  # noqa: E402  (the shared harness, beside this script)
+
+from quantpatch.environment import environment_info  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "eval" / "results" / "bench_decode"
@@ -193,12 +197,7 @@ def graph_runner(fn: Callable[[int], object], n_sets: int) -> Callable[[int], ob
     """``fn`` replayed from a CUDA graph: ``GRAPH_CALLS`` calls captured back to back (query sets in turn), so
     that timing one replay / ``GRAPH_CALLS`` is the GPU time of a call with no host launch cost in it (how
     ``generate()`` runs under CUDA graphs). Warm-up on the capture stream first (compilation, cached workspaces)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(n_sets):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
+    stream = warm_up_on_side_stream(fn, n_sets)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         for i in range(GRAPH_CALLS):
