@@ -10,7 +10,10 @@ One Llama-3-8B-shaped attention layer (32 query heads, 8 KV heads, D = 128) deco
   the cache to the INT8 grid in float32, so it is slow and large; rows it cannot hold are skipped);
 * ``turbo-triton``: the Triton decode kernel ``kernels/turbo_decode_triton.py`` (packed INT4/INT2 →
   INT8 in registers, INT8 dots, SAS, split over the sequence, the splits merged by the last one to finish:
-  one launch per code-width group).
+  one launch per code-width group);
+* ``turbo-gluon``: what ``turbo_decode_attention`` runs by default: the Gluon kernel
+  ``kernels/turbo_decode_gluon.py`` (sm_90: the codes as ``mma`` operands straight from registers, one warp a
+  program) for the 4-bit heads, the Triton kernel for the others (rows skipped where Gluon takes no head).
 
 Two times per row: ``ms`` (eager: each call launched from Python, so a call whose GPU work is shorter than
 its host launch cost is timed at the host's pace) and ``graph_ms`` (the GPU time of one call: ``GRAPH_CALLS``
@@ -63,7 +66,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "eval" / "results" / "bench_decode"
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 32, 8, 128, 32  # Llama-3-8B
 WEIGHT_BYTES_8B = 8.03e9 * 2  # bf16 weights of Llama-3-8B
-IMPLS = ("sdpa-bf16", "sdpa-flash", "sdpa-cudnn", "turbo-ref", "turbo-triton")
+IMPLS = ("sdpa-bf16", "sdpa-flash", "sdpa-cudnn", "turbo-ref", "turbo-triton", "turbo-gluon")
 SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
 logger = logging.getLogger("quantpatch").getChild("eval.bench_decode")
 
@@ -167,7 +170,13 @@ def make_runner(impl: str, b: int, n: int, bits: Sequence[int], device: str, n_s
     if not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
         return None, "the Triton kernel needs CUDA (or TRITON_INTERPRET=1 on CPU)"
     parts = (layer.k_blocks, layer.v_blocks, layer.k_buffer, layer.v_buffer)
-    return (lambda i: kernel(qs[i], *parts, **launch)), None
+    if impl == "turbo-gluon":
+        from quantpatch.kernels.turbo_decode_triton import gluon_takes
+
+        if not any(gluon_takes(torch.device(device), HEADS // KV_HEADS, 1, HEAD_DIM, w, w, n // 64) for w in bits):
+            return None, "the Gluon kernel takes no head of this cache here"
+        return (lambda i: kernel(qs[i], *parts, **launch)), None
+    return (lambda i: kernel(qs[i], *parts, kernel="triton", **launch)), None
 
 
 def sdpa_runner(impl: str, qs: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor):

@@ -66,6 +66,7 @@ import triton.language as tl
 from quantpatch.config import AttentionConfig
 
 from .attn_qk_int8_pv_fp8_triton import SAS_THRESHOLD, _sas_exp
+from .gluon_gate import GluonGate
 from .qk_quant_triton import _rne
 from .turbo_compress_triton import KERNEL_BITS, bit_groups
 from .turbo_ref import CompressedKV, Int8Buffer, decode_attention_config
@@ -608,22 +609,41 @@ def _decode(
     v_codes: list[torch.Tensor], v_sint: torch.Tensor, v_zint: torch.Tensor, v_bscale: torch.Tensor,
     k_buf: torch.Tensor, k_buf_scale: torch.Tensor, v_buf: torch.Tensor, v_buf_scale: torch.Tensor,
     k_bits: list[int], v_bits: list[int], is_causal: bool, sm_scale: float, num_splits: int, out_dtype: torch.dtype,
-    qk_qmax: int, pv_qmax: int, num_warps: int, num_stages: int, lanes: int,
+    qk_qmax: int, pv_qmax: int, num_warps: int, num_stages: int, lanes: int, kernel: str,
 ) -> torch.Tensor:
-    """One launch per code-width group (one in all for a uniform cache); the splits merge in the kernel."""
+    """One launch per code-width group (one in all for a uniform cache); the splits merge in the kernel. With
+    ``kernel="auto"`` a group the Gluon kernel takes (:func:`gluon_takes`) goes to it; ``num_splits`` 0: each
+    kernel's default."""
     b, h, nq, d = q.shape
     hkv, t = k_sint.shape[1], k_sint.shape[2]
     nb = k_buf.shape[-2]
-    plan = _plan(h // hkv, nq, t, tuple(k_bits), tuple(v_bits), num_splits, lanes)
+    splits = num_splits or default_num_splits(b, hkv, t, q.device)
+    plan = _plan(h // hkv, nq, t, tuple(k_bits), tuple(v_bits), splits, lanes)
     out = torch.empty((b, h, nq, d), dtype=out_dtype, device=q.device)
-    if plan.direct:  # never read: any valid address
-        m_part = l_part = acc_part = counters = out
-    else:
-        m_part, l_part, acc_part, counters = _workspace(q.device, b * h * nq * plan.splits, d, b * hkv)
-    k_sint, k_zint, v_sint, v_zint = (_words(x) for x in (k_sint, k_zint, v_sint, v_zint))
+
+    def workspace(n_splits: int) -> tuple[torch.Tensor, ...]:
+        return _workspace(q.device, b * h * nq * n_splits, d, b * hkv)
+
     # Tensors never read (no buffer, no blocks) still need a valid address for the launcher.
     k_buf, v_buf = (k_buf, v_buf) if nb else (k_sint, v_sint)
+    triton_groups = []
     for kw, vw, heads in plan.groups:
+        if kernel == "auto" and gluon_takes(q.device, h // hkv, nq, d, kw, vw, t):
+            try:
+                _gluon.launch(q, heads, _group_meta(heads, k_codes, v_codes, q.device), k_codes[heads[0]],
+                              v_codes[heads[0]], k_sint, k_zint, k_bscale, v_sint, v_zint, v_bscale, k_buf,
+                              k_buf_scale, v_buf, v_buf_scale, out, workspace, sm_scale, qk_qmax, pv_qmax, num_splits)
+                continue
+            except triton.CompilationError as err:  # a Triton whose Gluon API differs: warn once, Triton serves
+                GLUON.close(q.device, err)
+        triton_groups.append((kw, vw, heads))
+    if not triton_groups:
+        return out
+    # never read with one split: any valid address
+    m_part, l_part, acc_part, counters = (out,) * 4 if plan.direct else workspace(plan.splits)
+    k_sint, k_zint, v_sint, v_zint = (_words(x) for x in (k_sint, k_zint, v_sint, v_zint))
+    k_buf, v_buf = (k_buf, v_buf) if nb else (k_sint, v_sint)
+    for kw, vw, heads in triton_groups:
         kc, vc = (k_codes[heads[0]].view(torch.int32), v_codes[heads[0]].view(torch.int32)) if t else (k_sint, v_sint)
         _turbo_decode_kernel[(plan.splits, b * len(heads))](
             q, q.stride(0), q.stride(1), q.stride(2),
@@ -651,7 +671,7 @@ turbo_decode_attention_op = torch.library.custom_op("quantpatch::turbo_decode_at
 @turbo_decode_attention_op.register_fake
 def _(q, k_codes, k_sint, k_zint, k_bscale, v_codes, v_sint, v_zint, v_bscale, k_buf, k_buf_scale, v_buf,
       v_buf_scale, k_bits, v_bits, is_causal, sm_scale, num_splits, out_dtype, qk_qmax, pv_qmax, num_warps,
-      num_stages, lanes):
+      num_stages, lanes, kernel):
     return q.new_empty(q.shape, dtype=out_dtype)
 
 
@@ -670,6 +690,7 @@ def turbo_decode_attention(
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
     lanes: int = 0,
+    kernel: str = "auto",
     check: bool = True,
 ) -> torch.Tensor:
     """Decode attention of ``q`` over a compressed cache: the kernel form of ``turbo_decode_attention_ref``.
@@ -681,11 +702,14 @@ def turbo_decode_attention(
         k_buffer / v_buffer: ``Int8Buffer`` ``(B, Hkv, Nb < 64, D)`` or None.
         cfg: the decode numerics (default ``decode_attention_config()``); see :func:`decode_unsupported`.
         is_causal: bottom-right causal among the ``Nq`` query tokens.
-        num_splits: splits of the key blocks (default :func:`default_num_splits`); 1 = the kernel follows the
+        num_splits: splits of the key blocks (default: :func:`default_num_splits` for the Triton kernel,
+            ``turbo_decode_gluon.default_num_splits`` for the Gluon one); 1 = the kernel follows the
             reference's sequential loop, more = the last split of each (batch, KV head) merges them.
         out_dtype: default ``q.dtype``.
         num_warps / num_stages: launch of the decode kernel (benchmarks sweep them).
         lanes: key blocks stacked in one tile (0: as many as fill 16 rows; 1 with one split).
+        kernel: ``"auto"`` (the Gluon kernel for the code-width groups it takes on sm_90, :func:`gluon_takes`;
+            the Triton one for the rest) or ``"triton"`` (the Triton kernel for all).
         check: False where the caller has just run :func:`decode_unsupported` on the same arguments.
 
     Returns:
@@ -693,13 +717,13 @@ def turbo_decode_attention(
     """
     if check and (reason := decode_unsupported(q, k_cache, v_cache, k_buffer, v_buffer, cfg)) is not None:
         raise ValueError(f"turbo decode kernel: {reason}")
+    if kernel not in ("auto", "triton"):
+        raise ValueError(f"kernel={kernel!r}: choose 'auto' or 'triton'")
     b, h, nq, d = q.shape
     if k_buffer is None:
         hkv = k_cache.kv_heads
         empty = torch.zeros((b, hkv, 0, d), dtype=torch.int8, device=q.device)
         k_buffer = v_buffer = Int8Buffer(empty, torch.ones((b, hkv, 1, 1), device=q.device))
-    if num_splits is None:
-        num_splits = default_num_splits(b, k_cache.kv_heads, k_cache.n_blocks, q.device)
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     cfg = _reference_config() if cfg is None else cfg
     args = (
@@ -709,11 +733,18 @@ def turbo_decode_attention(
         _as(v_cache.block_scale, torch.float32),
         _as(k_buffer.values, torch.int8), _as(k_buffer.scale, torch.float32),
         _as(v_buffer.values, torch.int8), _as(v_buffer.scale, torch.float32),
-        list(k_cache.bits), list(v_cache.bits), is_causal, sm_scale, num_splits, out_dtype or q.dtype,
-        cfg.qk_qmax, cfg.pv_qmax, num_warps, num_stages, lanes,
+        list(k_cache.bits), list(v_cache.bits), is_causal, sm_scale, num_splits or 0, out_dtype or q.dtype,
+        cfg.qk_qmax, cfg.pv_qmax, num_warps, num_stages, lanes, kernel,
     )
     # The custom op is what torch.compile traces; eagerly its dispatch costs more host time than the launch.
     return turbo_decode_attention_op(*args) if torch.compiler.is_compiling() else _decode(*args)
+
+
+def gluon_takes(device: torch.device, group: int, nq: int, d: int, k_bits: int, v_bits: int, n_blocks: int) -> bool:
+    """Whether a code-width group of a call goes to the Gluon kernel (:mod:`.turbo_decode_gluon`): where
+    :data:`GLUON` opens on ``device`` and the kernel takes the shape (``turbo_decode_gluon.group_unsupported``)."""
+    return GLUON.unsupported(device) is None and _gluon.group_unsupported(group, nq, d, k_bits, v_bits,
+                                                                          n_blocks) is None
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -721,4 +752,13 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
 
 
-__all__ = ["decode_unsupported", "default_num_splits", "turbo_decode_attention"]
+__all__ = ["decode_unsupported", "default_num_splits", "gluon_takes", "turbo_decode_attention"]
+
+# last: the Gluon kernel (Triton 3.6+'s triton.experimental.gluon) serves the groups it takes on sm_90
+try:
+    from . import turbo_decode_gluon as _gluon
+
+    _GLUON_IMPORT_ERROR = None
+except ImportError as _err:
+    _gluon, _GLUON_IMPORT_ERROR = None, str(_err)
+GLUON = GluonGate("TurboAttention decode (4-bit, q_len 1)", "the Triton decode kernel", _GLUON_IMPORT_ERROR)

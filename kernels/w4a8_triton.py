@@ -25,7 +25,7 @@ with ``register_fake``; launched on the current stream), reproducing :mod:`quant
   ``n`` (``pts_exp``) is read from device memory, so a forward never syncs the host.
 * on sm_90, M ≤ 16: the Gluon decode kernel (:mod:`quantpatch.kernels.w4a8_gluon`, the quantization fused in
   the same way, same numerics) instead of :func:`_w4a8_decode_kernel`, where ``triton.experimental.gluon``
-  imports (:func:`gluon_unsupported` says why not, once per device, in the log).
+  imports (:data:`GLUON` says why not, once per device, in the log).
 
 Configurations come from one fixed table (:func:`gemm_config`), not a run-time autotuner, so a
 given shape always runs the same program.
@@ -49,9 +49,10 @@ import triton
 import triton.language as tl
 
 from quantpatch.dispatch import cuda_unsupported
-from quantpatch.fallback import fall_back, logger, note_implementation
+from quantpatch.fallback import fall_back, note_implementation
 from quantpatch.w4a8_linear import register_w4a8_fast_path
 
+from .gluon_gate import GluonGate
 from .qk_quant_triton import _to_fp8e4m3, interpreting
 from .w4a8_ref import GROUP_SIZE
 
@@ -516,9 +517,7 @@ def w4a8_linear_2d(
         try:
             return _gluon.w4a8_linear_gluon(x, qweight, scales, pts_exp, bias)
         except triton.CompilationError as err:  # a Triton whose Gluon API differs: warn once, Triton serves
-            _GLUON_REASONS[x.device] = f"the Gluon kernel does not compile with Triton {triton.__version__}"
-            logger.warning("W4A8 decode on %s: %s (%s); the Triton decode kernel serves M ≤ %d",
-                           x.device, _GLUON_REASONS[x.device], str(err)[:300], DECODE_BLOCK_M)
+            GLUON.close(x.device, err)
     _check_operands(m, k, qweight, scales)
     cfg = gemm_config(m, qweight.shape[0], k) if config is None else config
     y = torch.empty((m, qweight.shape[0]), device=x.device, dtype=x.dtype)
@@ -573,37 +572,10 @@ def w4a8_linear(
 # --------------------------------------------------------------------------- the Gluon decode kernel (sm_90)
 
 
-def gluon_reason(capability: tuple[int, int] | None, import_error: str | None) -> str | None:
-    """Why the Gluon decode kernel cannot run on a CUDA device of ``capability`` (None: not CUDA), or None."""
-    if import_error is not None:
-        return f"triton.experimental.gluon does not import ({import_error})"
-    if capability is None:
-        return "not a CUDA device"
-    if capability[0] != 9:
-        return f"it needs sm_90 (wgmma), got compute capability {capability[0]}.{capability[1]}"
-    return None
-
-
-def gluon_unsupported(device: torch.device) -> str | None:
-    """:func:`gluon_reason` for ``device``, asked once per device; a reason is logged once (there the Triton
-    decode kernel serves M ≤ 16)."""
-    if device not in _GLUON_REASONS:
-        cuda = device.type == "cuda" and torch.version.hip is None
-        reason = _GLUON_REASONS[device] = gluon_reason(torch.cuda.get_device_capability(device) if cuda else None,
-                                                       _GLUON_IMPORT_ERROR)
-        if reason is not None and device.type == "cuda":
-            logger.info("W4A8 decode (M ≤ %d) on %s: the Triton decode kernel, not the Gluon one: %s",
-                        DECODE_BLOCK_M, device, reason)
-    return _GLUON_REASONS[device]
-
-
-_GLUON_REASONS: dict[torch.device, str | None] = {}
-
-
 def uses_gluon(m: int, n: int, k: int, device: torch.device) -> bool:
     """Whether :func:`w4a8_linear_2d` runs the Gluon decode kernel for ``M × K → N`` on ``device``: where the table
-    picks the decode kernel (M ≤ 16) and :func:`gluon_unsupported` gives no reason."""
-    return gemm_config(m, n, k)["kernel"] == "decode" and gluon_unsupported(device) is None
+    picks the decode kernel (M ≤ 16) and :data:`GLUON` gives no reason."""
+    return gemm_config(m, n, k)["kernel"] == "decode" and GLUON.unsupported(device) is None
 
 
 # --------------------------------------------------------------------------- W4A8Linear fast path
@@ -666,3 +638,4 @@ try:
     _GLUON_IMPORT_ERROR = None
 except ImportError as _err:
     _gluon, _GLUON_IMPORT_ERROR = None, str(_err)
+GLUON = GluonGate(f"W4A8 decode (M ≤ {DECODE_BLOCK_M})", "the Triton decode kernel", _GLUON_IMPORT_ERROR)

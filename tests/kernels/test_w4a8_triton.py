@@ -30,6 +30,7 @@ import torch
 
 from quantpatch.fallback import QuantpatchFallbackWarning, SiteRecord, reset_fallback_warnings, running_site
 from quantpatch.kernels import w4a8_triton as wt
+from quantpatch.kernels.gluon_gate import gluon_reason
 from quantpatch.kernels.w4a8_ref import (
     GROUP_SIZE,
     quantize_activation_fp8,
@@ -316,25 +317,25 @@ def test_module_falls_back_to_reference_with_one_warning(kernels_on_this_device,
 
 
 def test_gluon_decode_kernel_needs_sm90_and_gluon():
-    assert wt.gluon_reason((9, 0), None) is None
-    assert "compute capability 8.9" in wt.gluon_reason((8, 9), None)
-    assert "compute capability 10.0" in wt.gluon_reason((10, 0), None)
-    assert "does not import (no gluon)" in wt.gluon_reason((9, 0), "no gluon")
-    assert wt.gluon_reason(None, None) == "not a CUDA device"
-    assert wt.gluon_unsupported(torch.device("cpu")) == "not a CUDA device"
+    assert gluon_reason((9, 0), None) is None
+    assert "compute capability 8.9" in gluon_reason((8, 9), None)
+    assert "compute capability 10.0" in gluon_reason((10, 0), None)
+    assert "does not import (no gluon)" in gluon_reason((9, 0), "no gluon")
+    assert gluon_reason(None, None) == "not a CUDA device"
+    assert wt.GLUON.unsupported(torch.device("cpu")) == "not a CUDA device"
 
 
 def test_gluon_unsupported_asks_a_device_once_and_logs_why(monkeypatch, caplog):
     device = torch.device("cuda", 99)  # fictitious: its capability is monkeypatched
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: asked.append(d) or (8, 9))
-    monkeypatch.setattr(wt, "_GLUON_REASONS", {})
+    monkeypatch.setattr(wt.GLUON, "reasons", {})
     with caplog.at_level(logging.INFO, logger="quantpatch"):
-        assert "compute capability 8.9" in wt.gluon_unsupported(device)
+        assert "compute capability 8.9" in wt.GLUON.unsupported(device)
         assert not wt.uses_gluon(16, 64, 256, device)
     assert asked == [device]
     assert len([r for r in caplog.records if "the Triton decode kernel, not the Gluon one" in r.getMessage()]) == 1
-    monkeypatch.setattr(wt, "_GLUON_REASONS", {device: None})  # an sm_90 device
+    monkeypatch.setattr(wt.GLUON, "reasons", {device: None})  # an sm_90 device
     assert wt.uses_gluon(16, 64, 256, device) and wt.uses_gluon(1, 64, 256, device)
     assert not wt.uses_gluon(17, 64, 256, device)
 
@@ -349,7 +350,7 @@ def test_module_sends_up_to_16_tokens_to_the_gluon_kernel_where_it_serves(kernel
         calls.append(tuple(x.shape))
         return wt.w4a8_linear_2d(x, qweight, scales, pts_exp, bias, config=wt.gemm_config(16, 67, 256))
 
-    monkeypatch.setattr(wt, "gluon_unsupported", lambda device: None)
+    monkeypatch.setattr(wt.GLUON, "unsupported", lambda device: None)
     monkeypatch.setattr(wt, "_gluon", SimpleNamespace(w4a8_linear_gluon=gluon_layer))
     mod = _module(256, 67, seed=70)
     for shape, impl in (((2, 8, 256), "gluon"), ((17, 256), "triton")):
@@ -376,7 +377,7 @@ def test_gluon_kernel_that_does_not_compile_warns_once_and_triton_serves(kernels
         raise triton.CompilationError("def kernel(): ...", None, "no attribute 'thread_barrier'")
 
     calls = []
-    monkeypatch.setattr(wt, "_GLUON_REASONS", {torch.device(DEVICE): None})  # as on an sm_90 device
+    monkeypatch.setattr(wt.GLUON, "reasons", {torch.device(DEVICE): None})  # as on an sm_90 device
     monkeypatch.setattr(wt, "_gluon", SimpleNamespace(w4a8_linear_gluon=gluon_layer))
     mod = _module(256, 67, seed=72)
     x = _randn(4, 256, seed=73).to(torch.bfloat16).to(DEVICE)

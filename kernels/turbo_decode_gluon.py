@@ -1,0 +1,578 @@
+"""TurboAttention decode over a 4-bit compressed cache in Gluon (Triton 3.6+, sm_90): the codes enter the
+tensor-core dots straight from the registers their loads filled.
+
+Same numerics as :mod:`quantpatch.kernels.turbo_decode_triton` (Algorithm 2 with FlashQ and SAS: Q̂ per token,
+``K̂ = (X + z^int)·s^int``, SAS online softmax per 64-key block, P̂ INT8 per block and query head, every dot an
+exact integer sum on fp16 operands with fp32 accumulation, IEEE quotients, no FMA contraction), for the shape
+that decoding takes: one query token, ``G ≤ 8`` query heads per KV head, ``D = 128``, K and V both 4-bit. Each
+program is one warp; it takes one (batch, KV head) and a run of key blocks; the runs (splits) are merged by the
+last one to finish, in split order (deterministic).
+
+Why a warp of its own: the Triton kernel spends its time moving every code through shared memory to reach the
+``mma`` operand layout (``ldmatrix``) and waiting on the barriers around it. Here the layouts are explicit: swap
+AB (the keys and the channels are the ``mma`` M dimension, the ``G`` query rows its N = 8), and the bytes a thread
+loads are exactly the slots of its ``m16n8k16`` fragments after a relabelling of the reduction index, so a code
+goes register → PTX bit trick → ``mma`` with no data movement::
+
+    K side  Sᵀ [64 keys, 8] = (X + z^int)[64, 128] · (Q̂ ⊙ s^int)ᵀ
+            a thread loads 16 contiguous bytes (32 channels) of its 8 key rows; per byte the low nibble is
+            channel 2β and the high one 2β + 1, so the even and odd channels are two dots of K = 64; the byte
+            index β is relabelled as the fragment's K slot (k = 16s + 8h + 2q + b for β = 16q + 4s + 2h + b),
+            and Q̂'s rows in the same order. lop3 makes ``1024 + code`` (or ``1024 + 16·code``), one add.f16x2
+            (fma.f16x2 with 1/16) adds ``z^int − 1024`` (``z^int − 64``): the operand is ``X + z^int`` exactly.
+            ``Q̂ ⊙ s^int ≤ 119·16`` is exact in fp16; the products ``(X + z)·s·Q̂ = K̂·Q̂`` sum to the INT8 dot.
+    softmax the 64 keys of a block are the M rows of one warp: the block's row max, P̂ scale and sums are
+            in-register reductions plus three shuffles.
+    V side  Oᵀ [128 channels, 8] += (1024 + X)ᵀ [128, 64 keys] · P̂ᵀ
+            a thread loads 8 contiguous bytes (16 channels) of 16 keys (τ = 4j + q: a warp's load is 4 whole
+            rows); prmt pairs the same byte of keys τ and τ + 4 (the fragment's K pair), lop3 makes the fp16
+            pair. ``Σ (1024 + 16·X)·P̂ < 2²⁴``, so the dot is exact and the block's integer ``P̂·V̂ = s^int ⊙
+            (acc − 1024·ΣP̂ + z^int·ΣP̂)`` (``acc/16 − 64·ΣP̂ + …`` for odd channels) comes out exactly in fp32.
+            P̂ reaches the B fragment through one layout conversion per block (the only shared-memory trip).
+
+The INT8 buffer (the newest ``< 64`` keys, one universal scale) is the last block of the last split, loaded
+through ordinary layouts. Host side: :func:`turbo_decode_gluon` (called by ``turbo_decode_triton`` for the code
+groups it takes, :func:`gluon_unsupported` says which).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from .attn_qk_int8_pv_fp8_triton import LOG2E, SAS_THRESHOLD
+from .sas_ref import POLY_COEFFS
+
+# the CTA barrier: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7 on (both a plain bar.sync)
+_cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+# cp.async global → shared: async_copy_global_to_shared in Triton 3.6, async_load later
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+HEAD_DIM = 128
+BITS = 4
+MAX_GROUP = 8  # query heads per KV head: mma's N
+BLOCK = gl.constexpr(64)  # keys per compressed block (n_b)
+HALF = gl.constexpr(64)  # bytes of a 4-bit code row = channel pairs
+ROWS = gl.constexpr(MAX_GROUP)
+PROGRAMS_PER_SM = 8  # one warp each at ≤ 255 registers: 8 fit an SM
+MIN_BLOCKS_PER_SPLIT = 4
+MAX_SPLITS = 64  # the merge reads every split's partial in one program
+MERGE_ROWS = gl.constexpr(32)  # (split, row) partials merged at a time: 128 fp32 a lane
+
+_N_R, _NEG_LOG2E = gl.constexpr(SAS_THRESHOLD), gl.constexpr(-LOG2E)
+_C3, _C2, _C1, _C0 = (gl.constexpr(c) for c in POLY_COEFFS)
+
+# 4 packed bytes b0..b3 ($4) → low nibbles as (1024 + code) + (z − 1024) ($0: b0, b1; $1: b2, b3) and high nibbles
+# as (1024 + 16·code) / 16 + (z − 64) ($2, $3); $5, $6 / $7, $8: the fp16 (z − 1024) / (z − 64) of those channels.
+# lop3 (a & b) | c (LUT 0xEA) keeps a nibble and ORs in fp16 1024 (ulp 1; 16·code: ulp 1 of 1024 + 16·code).
+_K_ASM = gl.constexpr("""{
+.reg .b32 t0, t1, u0, u1, u2, u3, s;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+lop3.b32 u0, t0, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 u1, t1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 u2, t0, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 u3, t1, 0x00F000F0, 0x64006400, 0xEA;
+mov.b32 s, 0x2C002C00;
+add.f16x2 $0, u0, $5;
+add.f16x2 $1, u1, $6;
+fma.rn.f16x2 $2, u2, s, $7;
+fma.rn.f16x2 $3, u3, s, $8;
+}""")
+
+# Bytes β0..β3 of key τ ($8) and of key τ + 4 ($9) → per β one fp16 pair (key τ, key τ + 4): low nibbles as
+# 1024 + code ($0..$3), high ones as 1024 + 16·code ($4..$7). prmt puts byte β of each key at bytes 0 and 2.
+_V_ASM = gl.constexpr("""{
+.reg .b32 x0, x1, x2, x3;
+prmt.b32 x0, $8, $9, 0x4400;
+prmt.b32 x1, $8, $9, 0x5511;
+prmt.b32 x2, $8, $9, 0x6622;
+prmt.b32 x3, $8, $9, 0x7733;
+lop3.b32 $0, x0, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $1, x1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $2, x2, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $3, x3, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $4, x0, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 $5, x1, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 $6, x2, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 $7, x3, 0x00F000F0, 0x64006400, 0xEA;
+}""")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@gluon.jit
+def _rne(x):
+    """Round half to even for |x| < 2²²."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@gluon.jit
+def _sas_exp(x):
+    """TurboAttention's SAS ``exp(x)``, ``x ≤ 0``, as the Triton kernels compute it (0 below n_r and for −∞)."""
+    keep = x >= _N_R
+    t = gl.where(keep, -x, 0.0)
+    i = gl.floor(t)
+    f = t - i
+    poly = ((_C3 * f + _C2) * f + _C1) * f + _C0
+    return gl.where(keep, gl.exp2(i * _NEG_LOG2E) * poly, 0.0)
+
+
+@gluon.jit
+def _k_slots(t):
+    """Relabel axis 0 of ``t [64, N]``, a byte index ``β = 16q + 4s + 2h + b``, as the fragment K slot
+    ``k = 16s + 8h + 2q + b`` (lane ``q`` of a quad holds bytes ``16q … 16q + 15``; no data moves)."""
+    n: gl.constexpr = t.shape[1]
+    t = gl.permute(gl.reshape(t, [4, 4, 2, 2, n]), (1, 2, 0, 3, 4))
+    return gl.reshape(t, [HALF, n])
+
+
+@gluon.jit
+def _key_slots(t):
+    """Relabel axis 0 of ``t [n, N]``, a key ``τ = 16s + 8h + 4b + q`` (lane ``q`` holds keys ``τ ≡ q mod 4``),
+    as the fragment K slot ``k = 16s + 8h + 2q + b``."""
+    n: gl.constexpr = t.shape[0]
+    c: gl.constexpr = t.shape[1]
+    t = gl.permute(gl.reshape(t, [n // 16, 2, 2, 4, c]), (0, 1, 3, 2, 4))
+    return gl.reshape(t, [n, c])
+
+
+@gluon.jit
+def _channel_rows(t):
+    """Relabel axis 0 of ``t [64, N]``, a byte index ``β = 8g + 4i₁ + 2i₀ + a`` (lane group ``g`` holds bytes
+    ``8g … 8g + 7``), as the fragment M row ``m = 32i₁ + 16i₀ + 8a + g``."""
+    n: gl.constexpr = t.shape[1]
+    t = gl.permute(gl.reshape(t, [8, 2, 2, 2, n]), (1, 2, 3, 0, 4))
+    return gl.reshape(t, [HALF, n])
+
+
+@gluon.jit
+def _row_channel(m):
+    """The byte index ``β`` of fragment M row ``m`` (inverse of :func:`_channel_rows`)."""
+    return 8 * (m & 7) + 4 * (m >> 5) + 2 * ((m >> 4) & 1) + ((m >> 3) & 1)
+
+
+@gluon.jit
+def _k_operand(x, op_a: gl.constexpr):
+    """``x [keys, 64 bytes]`` (one parity of the channels) as the A operand ``[keys, 64 K slots]``."""
+    return gl.convert_layout(gl.permute(_k_slots(gl.permute(x, (1, 0))), (1, 0)), op_a)
+
+
+@gluon.jit
+def _v_operand(x, op_a: gl.constexpr):
+    """``x [keys, 64 bytes β]`` (one parity of the channels) as the A operand ``[64 channel rows, keys' K slots]``
+    (keys ``τ = 4j + q``: :func:`_key_slots`, bytes: :func:`_channel_rows`)."""
+    x = _channel_rows(gl.permute(x, (1, 0)))
+    return gl.convert_layout(gl.permute(_key_slots(gl.permute(x, (1, 0))), (1, 0)), op_a)
+
+
+@gluon.jit
+def _unpacked_labels(x):
+    """The true labels of :data:`_V_ASM`'s outputs ``[keys, 64 bytes]``: they come labelled as its inputs (element
+    ``e`` of a pack = key bit 2 ``e₂``, byte bits ``e₀ e₁``) but hold (key bit 2 = ``e₀``, byte bits ``e₁ e₂``);
+    a permutation of three size-2 axes (no data moves)."""
+    n: gl.constexpr = x.shape[0]
+    x = gl.reshape(x, [n // 8, 2, 4, 16, 2, 2])  # keys: [high, bit 2, bits 0-1]; bytes: [high, bit 1, bit 0]
+    return gl.reshape(gl.permute(x, (0, 5, 2, 3, 1, 4)), [n, HALF])
+
+
+@gluon.jit
+def _byte_pairs(smem, row: gl.constexpr, layout: gl.constexpr, dtype: gl.constexpr):
+    """Row ``row`` (``[128]`` int8, ``s^int`` or ``z^int``) of a block's ``[4, 128]`` in shared memory as (even,
+    odd) channels ``[64]`` in ``dtype``, each lane holding the bytes ``layout`` gives it."""
+    x = gl.reshape(smem.slice(row, 1).load(layout).to(dtype), [HALF, 2])
+    return gl.split(x)
+
+
+@gluon.jit
+def _softmax(s0, s1, m_i, l_i):
+    """SAS online softmax of one block's scores (two halves ``[32 keys, 8 rows]``): ``(P̃₀, P̃₁, α, m', ℓ')``."""
+    m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 0), gl.max(s1, 0)))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: SAS(−∞) = 0, not NaN
+    alpha = _sas_exp(m_i - m_safe)
+    p0 = _sas_exp(s0 - m_safe[None, :])
+    p1 = _sas_exp(s1 - m_safe[None, :])
+    return p0, p1, alpha, m_new, l_i * alpha + (gl.sum(p0, 0) + gl.sum(p1, 0))
+
+
+@gluon.jit
+def _quantize_p(p0, p1, PMAX: gl.constexpr):
+    """``(P̂₀, P̂₁, s_P)``: ``s_P = max(P̃ over the block) / PMAX`` per row (1 if 0), ``P̂ = min(rne(P̃ / s_P),
+    PMAX)`` with one reciprocal per row and Markstein's correction (the IEEE quotient itself)."""
+    p_scale = gl.div_rn(gl.maximum(gl.max(p0, 0), gl.max(p1, 0)), PMAX * 1.0)
+    p_scale = gl.where(p_scale == 0.0, 1.0, p_scale)
+    r = gl.div_rn(gl.full_like(p_scale, 1.0), p_scale)[None, :]
+    q0 = p0 * r
+    q0 = gl.fma(gl.fma(-p_scale[None, :], q0, p0), r, q0)
+    q1 = p1 * r
+    q1 = gl.fma(gl.fma(-p_scale[None, :], q1, p1), r, q1)
+    return gl.minimum(_rne(q0), PMAX * 1.0), gl.minimum(_rne(q1), PMAX * 1.0), p_scale
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+@gluon.jit
+def _turbo_decode_gluon(
+    Q_ptr, stride_qb, stride_qh,
+    KC_ptr, stride_kcb, KS_ptr, KZ_ptr, KBS_ptr,
+    VC_ptr, stride_vcb, VS_ptr, VZ_ptr, VBS_ptr,
+    KB_ptr, KBSC_ptr, VB_ptr, VBSC_ptr, META_ptr,
+    O_ptr, stride_ob, stride_oh,
+    MP_ptr, LP_ptr, ACC_ptr, CNT_ptr,
+    T, NB, HKV, HG, BLOCKS_PER_SPLIT, NUM_SPLITS, sm_scale,
+    GROUP: gl.constexpr, G_PAD: gl.constexpr, QMAX: gl.constexpr, PMAX: gl.constexpr, SPLITS_PAD: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Split ``program_id(0)`` of (batch, group slot) ``program_id(1)``; ``META`` = (KV head, offsets of its K / V
+    codes from the group's first head's, in int32 words). Codes ``uint8 (B, T·64, 64)`` per head, ``s^int`` /
+    ``z^int`` ``int8 (B, Hkv, T, 128)``, block scales ``(B, Hkv, T)``, buffer ``int8 (B, Hkv, NB, 128)``.
+    Partials (several splits): ``m``, ``ℓ`` ``(B·H, NUM_SPLITS)``, acc ``(B·H, NUM_SPLITS, 128)``.
+
+    A block's codes and ``s^int`` / ``z^int`` reach shared memory by ``cp.async`` ``STAGES − 1`` blocks ahead;
+    each block is then read into registers in two halves of 32 keys."""
+    mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
+    op_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_l, k_width=2)
+    row_l: gl.constexpr = gl.SliceLayout(0, mma_l)  # per query row [8]
+    # K codes [32 keys, 64 bytes]: lane (g, q) holds bytes 16q … 16q + 15 of keys g + 8i (16-byte reads)
+    k_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0], [16, 0]],
+        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[32, HALF])
+    # V codes [32 keys, 64 bytes]: lane (g, q) holds bytes 8g … 8g + 7 of keys 4j + q (8-byte reads) ...
+    v_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [4, 0], [8, 0], [16, 0]],
+        lane_bases=[[1, 0], [2, 0], [0, 8], [0, 16], [0, 32]], warp_bases=[], block_bases=[], shape=[32, HALF])
+    # ... and, for the unpack, in the order bytes 0-3 of key τ, bytes 0-3 of key τ + 4, bytes 4-7 of τ, ...
+    vu_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [4, 0], [0, 4], [8, 0], [16, 0]],
+        lane_bases=[[1, 0], [2, 0], [0, 8], [0, 16], [0, 32]], warp_bases=[], block_bases=[], shape=[32, HALF])
+    # s^int / z^int rows [128] (channel 2β + parity): K's lane q holds bytes 32q …, V's lane group g 16g …
+    ks_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]], lane_bases=[[0, 32], [0, 64], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[], block_bases=[], shape=[1, 2 * HALF])
+    vs_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8]], lane_bases=[[0, 0], [0, 0], [0, 16], [0, 32], [0, 64]],
+        warp_bases=[], block_bases=[], shape=[1, 2 * HALF])
+    # cp.async: 16 bytes a lane; codes [64, 64] (8 a lane), s^int / z^int rows [4, 128] (1 a lane)
+    cp_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
+                                          order=[1, 0])
+    sz_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[1, 1],
+                                          order=[1, 0])
+    q_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32], warps_per_cta=[1, 1],
+                                         order=[1, 0])
+    smem_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+
+    pid_s = gl.program_id(0)
+    pid = gl.program_id(1)
+    b = pid // HG
+    slot = pid % HG
+    h = gl.load(META_ptr + slot).to(gl.int32)
+    k_off = gl.multiple_of(gl.load(META_ptr + HG + slot) * 4, 16)
+    v_off = gl.multiple_of(gl.load(META_ptr + 2 * HG + slot) * 4, 16)
+    bh = b * HKV + h
+
+    # the split's blocks, STAGES − 1 of them on their way to shared memory
+    lo = pid_s * BLOCKS_PER_SPLIT
+    hi = gl.minimum(lo + BLOCKS_PER_SPLIT, T)
+    kc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK, HALF], smem_l)
+    vc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK, HALF], smem_l)
+    sz_s = gl.allocate_shared_memory(gl.int8, [STAGES, 4, 2 * HALF], smem_l)
+    key_c = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, cp_l))[:, None] * HALF
+    byte_c = gl.arange(0, HALF, layout=gl.SliceLayout(0, cp_l))[None, :]
+    kc_ptrs = KC_ptr + k_off + b.to(gl.int64) * stride_kcb + key_c + byte_c
+    vc_ptrs = VC_ptr + v_off + b.to(gl.int64) * stride_vcb + key_c + byte_c
+    which = gl.arange(0, 4, layout=gl.SliceLayout(1, sz_l))[:, None]
+    sz_offs = bh.to(gl.int64) * T * (2 * HALF) + gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, sz_l))[None, :]
+    sz_ptrs = gl.where(which == 0, KS_ptr, gl.where(which == 1, KZ_ptr, gl.where(which == 2, VS_ptr, VZ_ptr))) \
+        + sz_offs
+    sz_ptrs = gl.max_contiguous(gl.multiple_of(sz_ptrs, [1, 16]), [1, 16])  # rows of 128 bytes, 16-aligned
+    for i in gl.static_range(STAGES - 1):
+        _copy_block(kc_s.index(i), vc_s.index(i), sz_s.index(i), kc_ptrs, vc_ptrs, sz_ptrs,
+                    gl.minimum(lo + i, hi - 1))
+
+    # Q̂ per token (absmax / QMAX), rows r < GROUP = query heads h·GROUP + r; the B operands: even / odd channels
+    r_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_l))
+    c_q = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, q_l))
+    q = gl.load(Q_ptr + b.to(gl.int64) * stride_qb + (h * GROUP + r_q)[:, None] * stride_qh + c_q[None, :],
+                mask=(r_q < GROUP)[:, None], other=0.0).to(gl.float32)
+    qs = gl.div_rn(gl.max(gl.abs(q), 1), QMAX * 1.0)
+    qs = gl.where(qs == 0.0, 1.0, qs)
+    q_hat = gl.minimum(gl.maximum(_rne(gl.div_rn(q, qs[:, None])), -QMAX * 1.0), QMAX * 1.0).to(gl.float16)
+    q_even, q_odd = gl.split(gl.reshape(q_hat, [ROWS, HALF, 2]))
+    qb_lo = gl.convert_layout(_k_slots(gl.permute(q_even, (1, 0))), op_b)
+    qb_hi = gl.convert_layout(_k_slots(gl.permute(q_odd, (1, 0))), op_b)
+    qs = gl.convert_layout(qs, row_l)
+
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_l)
+    l_i = gl.zeros([ROWS], gl.float32, row_l)
+    acc_lo = gl.zeros([HALF, ROWS], gl.float32, mma_l)
+    acc_hi = gl.zeros([HALF, ROWS], gl.float32, mma_l)
+    zero_s = gl.zeros([32, ROWS], gl.float32, mma_l)
+    bs_row = bh * T
+    kbs = gl.load(KBS_ptr + bs_row + lo)
+    vbs = gl.load(VBS_ptr + bs_row + lo)
+    for t in range(lo, hi):
+        st = (t - lo) % STAGES
+        kbs_n = gl.load(KBS_ptr + bs_row + gl.minimum(t + 1, hi - 1))  # the next block's scales in flight
+        vbs_n = gl.load(VBS_ptr + bs_row + gl.minimum(t + 1, hi - 1))
+        async_copy.wait_group(STAGES - 2)  # block t has landed (this lane's copies) ...
+        _cta_barrier()  # ... and every lane's; block t - 1's stage is free
+        _copy_block(kc_s.index((st + STAGES - 1) % STAGES), vc_s.index((st + STAGES - 1) % STAGES),
+                    sz_s.index((st + STAGES - 1) % STAGES), kc_ptrs, vc_ptrs, sz_ptrs,
+                    gl.minimum(t + STAGES - 1, hi - 1))
+        kc_t = kc_s.index(st)
+        vc_t = vc_s.index(st)
+        sz_t = sz_s.index(st)
+
+        # K side: A = X + z^int (even / odd channels), B = Q̂ ⊙ s^int; two halves of 32 keys
+        kz_e, kz_o = _byte_pairs(sz_t, 1, ks_l, gl.float16)
+        z_lo = gl.convert_layout(kz_e - 1024.0, gl.SliceLayout(0, k_l))[None, :]
+        z_hi = gl.convert_layout(kz_o - 64.0, gl.SliceLayout(0, k_l))[None, :]
+        ks_e, ks_o = _byte_pairs(sz_t, 0, ks_l, gl.float16)
+        b_lo = qb_lo * gl.convert_layout(gl.reshape(_k_slots(gl.reshape(ks_e, [HALF, 1])), [HALF]),
+                                         gl.SliceLayout(1, op_b))[:, None]
+        b_hi = qb_hi * gl.convert_layout(gl.reshape(_k_slots(gl.reshape(ks_o, [HALF, 1])), [HALF]),
+                                         gl.SliceLayout(1, op_b))[:, None]
+        qk = (qs * kbs)[None, :]
+        s0 = _key_scores(kc_t.slice(0, 32), z_lo, z_hi, b_lo, b_hi, zero_s, k_l, op_a) * qk * sm_scale
+        s1 = _key_scores(kc_t.slice(32, 32), z_lo, z_hi, b_lo, b_hi, zero_s, k_l, op_a) * qk * sm_scale
+
+        # softmax of the block, P̂ and its scale
+        p0, p1, alpha, m_i, l_i = _softmax(s0, s1, m_i, l_i)
+        p0, p1, p_scale = _quantize_p(p0, p1, PMAX)
+        p_sum = gl.sum(p0, 0) + gl.sum(p1, 0)
+
+        # V side: A = (1024 + X)ᵀ (even channels) / (1024 + 16·X)ᵀ (odd), B = P̂ᵀ; two halves of 32 keys
+        zero_v = gl.zeros([HALF, ROWS], gl.float32, mma_l)
+        r_lo, r_hi = _value_products(vc_t.slice(0, 32), gl.convert_layout(_key_slots(p0.to(gl.float16)), op_b),
+                                     zero_v, zero_v, v_l, vu_l, op_a)
+        r_lo, r_hi = _value_products(vc_t.slice(32, 32), gl.convert_layout(_key_slots(p1.to(gl.float16)), op_b),
+                                     r_lo, r_hi, v_l, vu_l, op_a)
+        # the block's P̂·V̂, exact: fma(z − 1024, ΣP̂, Σ(1024 + X)·P̂) ⊙ s (odd: Σ(1024 + 16X)·P̂ / 16 and z − 64)
+        vz_e, vz_o = _byte_pairs(sz_t, 3, vs_l, gl.float32)
+        vs_e, vs_o = _byte_pairs(sz_t, 2, vs_l, gl.float32)
+        r_lo = gl.fma(_as_rows(vz_e, mma_l) - 1024.0, p_sum[None, :], r_lo) * _as_rows(vs_e, mma_l)
+        r_hi = gl.fma(_as_rows(vz_o, mma_l) - 64.0, p_sum[None, :], r_hi * 0.0625) * _as_rows(vs_o, mma_l)
+        acc_lo = acc_lo * alpha[None, :] + r_lo * p_scale[None, :] * vbs
+        acc_hi = acc_hi * alpha[None, :] + r_hi * p_scale[None, :] * vbs
+        kbs, vbs = kbs_n, vbs_n
+    async_copy.wait_group(0)
+
+    if (pid_s == NUM_SPLITS - 1) & (NB > 0):  # the INT8 buffer: the newest NB keys, one universal scale a head
+        acc_lo, acc_hi, m_i, l_i = _buffer_block(
+            KB_ptr, KBSC_ptr, VB_ptr, VBSC_ptr, bh, NB, qb_lo, qb_hi, qs, sm_scale, m_i, l_i, acc_lo, acc_hi,
+            mma_l, op_a, op_b, PMAX)
+
+    # this split's (m, ℓ, acc), or the output itself (one split)
+    rows = gl.arange(0, ROWS, layout=row_l)
+    ch = 2 * _row_channel(gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_l)))
+    row_ok = rows < GROUP
+    if NUM_SPLITS == 1:
+        out_rows = O_ptr + b.to(gl.int64) * stride_ob + (h * GROUP + rows)[None, :] * stride_oh
+        inv = gl.where(l_i == 0.0, 0.0, 1.0 / gl.where(l_i == 0.0, 1.0, l_i))
+        gl.store(out_rows + ch[:, None], (acc_lo * inv[None, :]).to(O_ptr.dtype.element_ty), mask=row_ok[None, :])
+        gl.store(out_rows + ch[:, None] + 1, (acc_hi * inv[None, :]).to(O_ptr.dtype.element_ty),
+                 mask=row_ok[None, :])
+    else:
+        part = (b * (HKV * GROUP) + h * GROUP + rows).to(gl.int64) * NUM_SPLITS + pid_s
+        gl.store(MP_ptr + part, m_i, mask=row_ok)
+        gl.store(LP_ptr + part, l_i, mask=row_ok)
+        acc_rows = ACC_ptr + part[None, :] * (2 * HALF)
+        gl.store(acc_rows + ch[:, None], acc_lo, mask=row_ok[None, :])
+        gl.store(acc_rows + ch[:, None] + 1, acc_hi, mask=row_ok[None, :])
+        _cta_barrier()  # every lane's partials are written before the ticket (release) is taken
+        ticket = gl.atomic_add(CNT_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        if ticket == NUM_SPLITS - 1:
+            gl.atomic_xchg(CNT_ptr + bh, 0)  # zero again for the next call
+            _merge_splits(MP_ptr, LP_ptr, ACC_ptr, O_ptr, b, h, HKV, NUM_SPLITS, stride_ob, stride_oh,
+                          GROUP, G_PAD, SPLITS_PAD)
+
+
+@gluon.jit
+def _copy_block(kc_dst, vc_dst, sz_dst, kc_ptrs, vc_ptrs, sz_ptrs, t):
+    """``cp.async`` of block ``t``'s K and V codes and its four ``s^int`` / ``z^int`` rows; one commit group."""
+    _async_load(kc_dst, kc_ptrs + t * (BLOCK * HALF), cache_modifier=".cg")
+    _async_load(vc_dst, vc_ptrs + t * (BLOCK * HALF), cache_modifier=".cg")
+    _async_load(sz_dst, sz_ptrs + t * (2 * HALF), cache_modifier=".cg")
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _key_scores(kc, z_lo, z_hi, b_lo, b_hi, zero, k_l: gl.constexpr, op_a: gl.constexpr):
+    """``Q̂·K̂ᵀ`` of 32 keys (``kc``: their codes in shared memory) as ``[32 keys, 8 rows]`` fp32, exact."""
+    codes = kc.load(k_l)
+    a_lo, a_hi = gl.inline_asm_elementwise(
+        _K_ASM, "=r,=r,=r,=r,r,r,r,r,r", [codes, gl.broadcast(z_lo, codes)[0], gl.broadcast(z_hi, codes)[0]],
+        dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+    return mma_v2(_k_operand(a_hi, op_a), b_hi, mma_v2(_k_operand(a_lo, op_a), b_lo, zero))
+
+
+@gluon.jit
+def _value_products(vc, pb, r_lo, r_hi, v_l: gl.constexpr, vu_l: gl.constexpr, op_a: gl.constexpr):
+    """``r += Σ_keys (1024 + X)·P̂`` (even channels) and ``Σ (1024 + 16·X)·P̂`` (odd) over 32 keys (``vc``: their
+    codes in shared memory; ``pb``: P̂ as the B operand), ``[64 channel rows, 8 rows]``."""
+    codes = gl.convert_layout(vc.load(v_l), vu_l)
+    x_lo, x_hi = gl.inline_asm_elementwise(
+        _V_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [codes], dtype=(gl.float16, gl.float16), is_pure=True, pack=8)
+    r_lo = mma_v2(_v_operand(_unpacked_labels(x_lo), op_a), pb, r_lo)
+    r_hi = mma_v2(_v_operand(_unpacked_labels(x_hi), op_a), pb, r_hi)
+    return r_lo, r_hi
+
+
+@gluon.jit
+def _as_rows(x, mma_l: gl.constexpr):
+    """Per-byte values ``[64]`` (lane group ``g`` holding bytes ``8g …``) as ``[64 channel rows, 1]`` of ``mma_l``."""
+    x = gl.reshape(_channel_rows(gl.reshape(x, [HALF, 1])), [HALF])
+    return gl.convert_layout(x, gl.SliceLayout(1, mma_l))[:, None]
+
+
+@gluon.jit
+def _halves(x):
+    """``x [64, N]`` → ``(x[:32], x[32:])``."""
+    n: gl.constexpr = x.shape[1]
+    return gl.split(gl.permute(gl.reshape(x, [2, 32, n]), (1, 2, 0)))
+
+
+@gluon.jit
+def _buffer_block(KB_ptr, KBSC_ptr, VB_ptr, VBSC_ptr, bh, NB, qb_lo, qb_hi, qs, sm_scale, m_i, l_i, acc_lo, acc_hi,
+                  mma_l: gl.constexpr, op_a: gl.constexpr, op_b: gl.constexpr, PMAX: gl.constexpr):
+    """The INT8 buffer's ``NB < 64`` keys as one masked block (K̂, V̂ = the stored integers)."""
+    buf_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 2], threads_per_warp=[4, 8, 1],
+                                           warps_per_cta=[1, 1, 1], order=[2, 1, 0])
+    key = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gl.SliceLayout(2, buf_l)))
+    byte = gl.arange(0, HALF, layout=gl.SliceLayout(0, gl.SliceLayout(2, buf_l)))
+    par = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, buf_l)))
+    offs = (bh.to(gl.int64) * NB + key[:, None, None]) * (2 * HALF) + 2 * byte[None, :, None] + par[None, None, :]
+    ok = (key < NB)[:, None, None]
+    k_even, k_odd = gl.split(gl.load(KB_ptr + offs, mask=ok, other=0).to(gl.float16))
+    zero_s = gl.zeros([32, ROWS], gl.float32, mma_l)
+    keys = gl.arange(0, 32, layout=gl.SliceLayout(1, mma_l))
+    qk = (qs * gl.load(KBSC_ptr + bh))[None, :]
+    s = ()
+    for i in gl.static_range(2):
+        ke = _halves(k_even)[i]
+        ko = _halves(k_odd)[i]
+        s_int = mma_v2(_k_operand(ko, op_a), qb_hi, mma_v2(_k_operand(ke, op_a), qb_lo, zero_s))
+        s = s + (gl.where((i * 32 + keys < NB)[:, None], s_int * qk * sm_scale, float("-inf")),)
+    p0, p1, alpha, m_i, l_i = _softmax(s[0], s[1], m_i, l_i)
+    p0, p1, p_scale = _quantize_p(p0, p1, PMAX)
+    v_even, v_odd = gl.split(gl.load(VB_ptr + offs, mask=ok, other=0).to(gl.float16))
+    r_lo = gl.zeros([HALF, ROWS], gl.float32, mma_l)
+    r_hi = gl.zeros([HALF, ROWS], gl.float32, mma_l)
+    for i in gl.static_range(2):
+        pb = gl.convert_layout(_key_slots((p0 if i == 0 else p1).to(gl.float16)), op_b)
+        r_lo = mma_v2(_v_operand(_halves(v_even)[i], op_a), pb, r_lo)
+        r_hi = mma_v2(_v_operand(_halves(v_odd)[i], op_a), pb, r_hi)
+    vbs = gl.load(VBSC_ptr + bh)
+    acc_lo = acc_lo * alpha[None, :] + r_lo * p_scale[None, :] * vbs
+    acc_hi = acc_hi * alpha[None, :] + r_hi * p_scale[None, :] * vbs
+    return acc_lo, acc_hi, m_i, l_i
+
+
+@gluon.jit
+def _merge_splits(MP_ptr, LP_ptr, ACC_ptr, O_ptr, b, h, HKV, NUM_SPLITS, stride_ob, stride_oh,
+                  GROUP: gl.constexpr, G_PAD: gl.constexpr, SPLITS_PAD: gl.constexpr):
+    """``O = Σ_s SAS(m_s − M)·acc_s / Σ_s SAS(m_s − M)·ℓ_s`` over the splits of (b, h), in split order, the
+    partials read past L1 (``.cg``: other programs wrote them)."""
+    m_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[1, 1],
+                                         order=[1, 0])
+    a_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 1, 32],
+                                         warps_per_cta=[1, 1, 1], order=[2, 1, 0])
+    head0 = b * (HKV * GROUP) + h * GROUP
+    sp = gl.arange(0, SPLITS_PAD, layout=gl.SliceLayout(1, m_l))
+    rows = gl.arange(0, G_PAD, layout=gl.SliceLayout(0, m_l))
+    ok = (sp < NUM_SPLITS)[:, None] & (rows < GROUP)[None, :]
+    part = (head0 + rows[None, :]).to(gl.int64) * NUM_SPLITS + sp[:, None]
+    m = gl.load(MP_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    m_max = gl.max(m, 0)
+    m_ref = gl.where(m_max == float("-inf"), 0.0, m_max)
+    ell = gl.sum(_sas_exp(m - m_ref[None, :]) * gl.load(LP_ptr + part, mask=ok, other=0.0, cache_modifier=".cg"), 0)
+
+    CHUNK: gl.constexpr = MERGE_ROWS // G_PAD  # splits merged at a time
+    sc = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, gl.SliceLayout(2, a_l)))
+    rc = gl.arange(0, G_PAD, layout=gl.SliceLayout(0, gl.SliceLayout(2, a_l)))
+    cc = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, gl.SliceLayout(1, a_l)))
+    m_ref3 = gl.convert_layout(m_ref, gl.SliceLayout(0, gl.SliceLayout(2, a_l)))
+    acc = gl.zeros([G_PAD, 2 * HALF], gl.float32, gl.SliceLayout(0, a_l))
+    for s0 in range(0, NUM_SPLITS, CHUNK):
+        ok2 = (s0 + sc < NUM_SPLITS)[:, None] & (rc < GROUP)[None, :]
+        part2 = (head0 + rc[None, :]).to(gl.int64) * NUM_SPLITS + s0 + sc[:, None]
+        w = _sas_exp(gl.load(MP_ptr + part2, mask=ok2, other=float("-inf"), cache_modifier=".cg") - m_ref3[None, :])
+        a = gl.load(ACC_ptr + part2[:, :, None] * (2 * HALF) + cc[None, None, :], mask=ok2[:, :, None], other=0.0,
+                    cache_modifier=".cg")
+        acc += gl.sum(w[:, :, None] * a, 0)
+    ell = gl.convert_layout(ell, gl.SliceLayout(1, gl.SliceLayout(0, a_l)))
+    out = gl.where((ell == 0.0)[:, None], 0.0, acc / gl.where(ell == 0.0, 1.0, ell)[:, None])
+    ro = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, gl.SliceLayout(0, a_l)))
+    co = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, gl.SliceLayout(0, a_l)))
+    o_ptrs = O_ptr + b.to(gl.int64) * stride_ob + (h * GROUP + ro)[:, None] * stride_oh + co[None, :]
+    gl.store(o_ptrs, out.to(O_ptr.dtype.element_ty), mask=(ro < GROUP)[:, None])
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def group_unsupported(group: int, nq: int, d: int, k_bits: int, v_bits: int, n_blocks: int) -> str | None:
+    """Why the Gluon kernel cannot take a code-width group of a call (None if it can): it is written for
+    decoding's shape, one query token of ``≤ 8`` query heads per KV head, ``D = 128``, 4-bit K and V, at least one
+    compressed block."""
+    if nq != 1:
+        return f"q_len {nq} (the Gluon kernel takes single-token decode steps)"
+    if group > MAX_GROUP:
+        return f"{group} query heads per KV head (the Gluon kernel takes ≤ {MAX_GROUP})"
+    if d != HEAD_DIM:
+        return f"head_dim {d} (the Gluon kernel takes {HEAD_DIM})"
+    if (k_bits, v_bits) != (BITS, BITS):
+        return f"{k_bits}-bit K / {v_bits}-bit V (the Gluon kernel takes {BITS}-bit both)"
+    if n_blocks == 0:
+        return "no compressed block yet"
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(batch: int, kv_heads: int, n_blocks: int, device: torch.device) -> int:
+    """Splits of the key blocks: ``PROGRAMS_PER_SM`` one-warp programs per SM (one wave), at least
+    ``MIN_BLOCKS_PER_SPLIT`` blocks each, at most ``MAX_SPLITS``."""
+    want = PROGRAMS_PER_SM * _sm_count(device) // max(batch * kv_heads, 1)
+    return max(1, min(want, n_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+
+
+def launch(q, heads, meta, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zint, v_bscale, k_buf, k_buf_scale, v_buf,
+           v_buf_scale, out, workspace, sm_scale: float, qk_qmax: int, pv_qmax: int, num_splits: int) -> None:
+    """One launch over the KV heads ``heads`` (a 4-bit group) of a decode call into ``out (B, H, 1, 128)``.
+
+    ``kc`` / ``vc``: the group's first head's codes ``uint8 (B, T·64, 64)`` (``meta``: the heads and their code
+    offsets, ``turbo_decode_triton._group_meta``); ``s^int`` / ``z^int`` int8 and block scales fp32 of the whole
+    cache; buffers ``int8 (B, Hkv, NB, 128)`` with fp32 scales (any valid tensor when ``NB = 0``); ``workspace``:
+    ``workspace(splits) → (m, ℓ, acc, counters)`` for several splits; ``num_splits`` ≤ 0: the default."""
+    b, h, _, d = q.shape
+    hkv, t = k_sint.shape[1], k_sint.shape[2]
+    nb = k_buf.shape[-2]
+    group = h // hkv
+    splits = num_splits if num_splits > 0 else default_num_splits(b, len(heads), t, q.device)
+    per_split = triton.cdiv(t, min(max(splits, 1), t, MAX_SPLITS))
+    splits = triton.cdiv(t, per_split)
+    m_part, l_part, acc_part, counters = workspace(splits) if splits > 1 else (out,) * 4
+    _turbo_decode_gluon[(splits, b * len(heads))](
+        q, q.stride(0), q.stride(1),
+        kc, kc.stride(0), k_sint, k_zint, k_bscale,
+        vc, vc.stride(0), v_sint, v_zint, v_bscale,
+        k_buf, k_buf_scale, v_buf, v_buf_scale, meta,
+        out, out.stride(0), out.stride(1),
+        m_part, l_part, acc_part, counters,
+        t, nb, hkv, len(heads), per_split, splits, sm_scale,
+        GROUP=group, G_PAD=triton.next_power_of_2(group), QMAX=qk_qmax, PMAX=pv_qmax,
+        SPLITS_PAD=triton.next_power_of_2(splits), STAGES=3,
+        num_warps=1, enable_fp_fusion=False,
+    )
