@@ -23,11 +23,12 @@ goes register → PTX bit trick → ``mma`` with no data movement::
             ``Q̂ ⊙ s^int ≤ 119·16`` is exact in fp16; the products ``(X + z)·s·Q̂ = K̂·Q̂`` sum to the INT8 dot.
     softmax the 64 keys of a block are the M rows of one warp: the block's row max, P̂ scale and sums are
             in-register reductions plus three shuffles.
-    V side  Oᵀ [128 channels, 8] += (1024 + X)ᵀ [128, 64 keys] · P̂ᵀ
+    V side  Oᵀ [128 channels, 8] += (X·2⁻²⁴)ᵀ [128, 64 keys] · P̂ᵀ
             a thread loads 8 contiguous bytes (16 channels) of 16 keys (τ = 4j + q: a warp's load is 4 whole
-            rows); prmt pairs the same byte of keys τ and τ + 4 (the fragment's K pair), lop3 makes the fp16
-            pair. ``Σ (1024 + 16·X)·P̂ < 2²⁴``, so the dot is exact and the block's integer ``P̂·V̂ = s^int ⊙
-            (acc − 1024·ΣP̂ + z^int·ΣP̂)`` (``acc/16 − 64·ΣP̂ + …`` for odd channels) comes out exactly in fp32.
+            rows); prmt pairs the same byte of keys τ and τ + 4 (the fragment's K pair), and the masked nibbles
+            are the fp16 pair (subnormals ``code·2⁻²⁴``, ``16·code·2⁻²⁴`` for odd channels), so the dot is
+            ``Σ X·P̂`` times a power of two, exactly, and the block's integer ``P̂·V̂ = s^int ⊙ (Σ X·P̂ +
+            z^int·ΣP̂)`` comes out exactly in fp32.
             P̂ reaches the B fragment through one layout conversion per block (the only shared-memory trip).
 
 The INT8 buffer (the newest ``< 64`` keys, one universal scale) is the last block of the last split, loaded
@@ -85,22 +86,24 @@ fma.rn.f16x2 $2, u2, s, $7;
 fma.rn.f16x2 $3, u3, s, $8;
 }""")
 
-# Bytes β0..β3 of key τ ($8) and of key τ + 4 ($9) → per β one fp16 pair (key τ, key τ + 4): low nibbles as
-# 1024 + code ($0..$3), high ones as 1024 + 16·code ($4..$7). prmt puts byte β of each key at bytes 0 and 2.
+# Bytes β0..β3 of key τ ($8) and of key τ + 4 ($9) → per β one fp16 pair (key τ, key τ + 4): the low nibbles as the
+# fp16 subnormals code·2⁻²⁴ ($0..$3), the high ones as 16·code·2⁻²⁴ ($4..$7): the masked bits themselves. prmt puts
+# byte β of each key at bytes 0 and 2. (Not 1024 + code: Σ (1024 + code)·P̂ over a block comes out of the tensor
+# cores inexact, measured on an H200, although every partial sum is an integer below 2²⁴.)
 _V_ASM = gl.constexpr("""{
 .reg .b32 x0, x1, x2, x3;
 prmt.b32 x0, $8, $9, 0x4400;
 prmt.b32 x1, $8, $9, 0x5511;
 prmt.b32 x2, $8, $9, 0x6622;
 prmt.b32 x3, $8, $9, 0x7733;
-lop3.b32 $0, x0, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 $1, x1, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 $2, x2, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 $3, x3, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 $4, x0, 0x00F000F0, 0x64006400, 0xEA;
-lop3.b32 $5, x1, 0x00F000F0, 0x64006400, 0xEA;
-lop3.b32 $6, x2, 0x00F000F0, 0x64006400, 0xEA;
-lop3.b32 $7, x3, 0x00F000F0, 0x64006400, 0xEA;
+and.b32 $0, x0, 0x000F000F;
+and.b32 $1, x1, 0x000F000F;
+and.b32 $2, x2, 0x000F000F;
+and.b32 $3, x3, 0x000F000F;
+and.b32 $4, x0, 0x00F000F0;
+and.b32 $5, x1, 0x00F000F0;
+and.b32 $6, x2, 0x00F000F0;
+and.b32 $7, x3, 0x00F000F0;
 }""")
 
 
@@ -349,17 +352,17 @@ def _turbo_decode_gluon(
         p0, p1, p_scale = _quantize_p(p0, p1, PMAX)
         p_sum = gl.sum(p0, 0) + gl.sum(p1, 0)
 
-        # V side: A = (1024 + X)ᵀ (even channels) / (1024 + 16·X)ᵀ (odd), B = P̂ᵀ; two halves of 32 keys
+        # V side: A = (X·2⁻²⁴)ᵀ (even channels) / (16·X·2⁻²⁴)ᵀ (odd), B = P̂ᵀ; two halves of 32 keys
         zero_v = gl.zeros([HALF, ROWS], gl.float32, mma_l)
         r_lo, r_hi = _value_products(vc_t.slice(0, 32), gl.convert_layout(_key_slots(p0.to(gl.float16)), op_b),
                                      zero_v, zero_v, v_l, vu_l, op_a)
         r_lo, r_hi = _value_products(vc_t.slice(32, 32), gl.convert_layout(_key_slots(p1.to(gl.float16)), op_b),
                                      r_lo, r_hi, v_l, vu_l, op_a)
-        # the block's P̂·V̂, exact: fma(z − 1024, ΣP̂, Σ(1024 + X)·P̂) ⊙ s (odd: Σ(1024 + 16X)·P̂ / 16 and z − 64)
+        # the block's P̂·V̂, exact: fma(z, ΣP̂, Σ X·P̂) ⊙ s, ``Σ X·P̂`` = the dot · 2²⁴ (odd channels: · 2²⁰)
         vz_e, vz_o = _byte_pairs(sz_t, 3, vs_l, gl.float32)
         vs_e, vs_o = _byte_pairs(sz_t, 2, vs_l, gl.float32)
-        r_lo = gl.fma(_as_rows(vz_e, mma_l) - 1024.0, p_sum[None, :], r_lo) * _as_rows(vs_e, mma_l)
-        r_hi = gl.fma(_as_rows(vz_o, mma_l) - 64.0, p_sum[None, :], r_hi * 0.0625) * _as_rows(vs_o, mma_l)
+        r_lo = gl.fma(_as_rows(vz_e, mma_l), p_sum[None, :], r_lo * 16777216.0) * _as_rows(vs_e, mma_l)
+        r_hi = gl.fma(_as_rows(vz_o, mma_l), p_sum[None, :], r_hi * 1048576.0) * _as_rows(vs_o, mma_l)
         acc_lo = acc_lo * alpha[None, :] + r_lo * p_scale[None, :] * vbs
         acc_hi = acc_hi * alpha[None, :] + r_hi * p_scale[None, :] * vbs
         kbs, vbs = kbs_n, vbs_n
@@ -416,7 +419,7 @@ def _key_scores(kc, z_lo, z_hi, b_lo, b_hi, zero, k_l: gl.constexpr, op_a: gl.co
 
 @gluon.jit
 def _value_products(vc, pb, r_lo, r_hi, v_l: gl.constexpr, vu_l: gl.constexpr, op_a: gl.constexpr):
-    """``r += Σ_keys (1024 + X)·P̂`` (even channels) and ``Σ (1024 + 16·X)·P̂`` (odd) over 32 keys (``vc``: their
+    """``r += Σ_keys X·2⁻²⁴·P̂`` (even channels) and ``Σ 16·X·2⁻²⁴·P̂`` (odd) over 32 keys (``vc``: their
     codes in shared memory; ``pb``: P̂ as the B operand), ``[64 channel rows, 8 rows]``."""
     codes = gl.convert_layout(vc.load(v_l), vu_l)
     x_lo, x_hi = gl.inline_asm_elementwise(
