@@ -88,8 +88,7 @@ fma.rn.f16x2 $3, u3, s, $8;
 
 # Bytes β0..β3 of key τ ($8) and of key τ + 4 ($9) → per β one fp16 pair (key τ, key τ + 4): the low nibbles as the
 # fp16 subnormals code·2⁻²⁴ ($0..$3), the high ones as 16·code·2⁻²⁴ ($4..$7): the masked bits themselves. prmt puts
-# byte β of each key at bytes 0 and 2. (Not 1024 + code: Σ (1024 + code)·P̂ over a block comes out of the tensor
-# cores inexact, measured on an H200, although every partial sum is an integer below 2²⁴.)
+# byte β of each key at bytes 0 and 2 (the Triton kernel's subnormal codes: one lop3 a pair, no or).
 _V_ASM = gl.constexpr("""{
 .reg .b32 x0, x1, x2, x3;
 prmt.b32 x0, $8, $9, 0x4400;
@@ -552,16 +551,15 @@ def default_num_splits(batch: int, kv_heads: int, n_blocks: int, device: torch.d
 
 
 def launch(q, heads, meta, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zint, v_bscale, k_buf, k_buf_scale, v_buf,
-           v_buf_scale, out, workspace, sm_scale: float, qk_qmax: int, pv_qmax: int, num_splits: int) -> None:
+           v_buf_scale, nb: int, out, workspace, sm_scale: float, qk_qmax: int, pv_qmax: int, num_splits: int) -> None:
     """One launch over the KV heads ``heads`` (a 4-bit group) of a decode call into ``out (B, H, 1, 128)``.
 
     ``kc`` / ``vc``: the group's first head's codes ``uint8 (B, T·64, 64)`` (``meta``: the heads and their code
     offsets, ``turbo_decode_triton._group_meta``); ``s^int`` / ``z^int`` int8 and block scales fp32 of the whole
-    cache; buffers ``int8 (B, Hkv, NB, 128)`` with fp32 scales (any valid tensor when ``NB = 0``); ``workspace``:
+    cache; buffers ``int8 (B, Hkv, nb, 128)`` with fp32 scales (any valid tensor when ``nb = 0``); ``workspace``:
     ``workspace(splits) → (m, ℓ, acc, counters)`` for several splits; ``num_splits`` ≤ 0: the default."""
     b, h, _, d = q.shape
     hkv, t = k_sint.shape[1], k_sint.shape[2]
-    nb = k_buf.shape[-2]
     group = h // hkv
     splits = num_splits if num_splits > 0 else default_num_splits(b, len(heads), t, q.device)
     per_split = triton.cdiv(t, min(max(splits, 1), t, MAX_SPLITS))

@@ -627,12 +627,13 @@ def _decode(
     # Tensors never read (no buffer, no blocks) still need a valid address for the launcher.
     k_buf, v_buf = (k_buf, v_buf) if nb else (k_sint, v_sint)
     triton_groups = []
-    for kw, vw, heads in plan.groups:
+    for kw, vw, heads in plan.groups:  # (k_buf, v_buf may stand in for empty buffers: nb says how many keys)
         if kernel == "auto" and gluon_takes(q.device, h // hkv, nq, d, kw, vw, t):
             try:
                 _gluon.launch(q, heads, _group_meta(heads, k_codes, v_codes, q.device), k_codes[heads[0]],
                               v_codes[heads[0]], k_sint, k_zint, k_bscale, v_sint, v_zint, v_bscale, k_buf,
-                              k_buf_scale, v_buf, v_buf_scale, out, workspace, sm_scale, qk_qmax, pv_qmax, num_splits)
+                              k_buf_scale, v_buf, v_buf_scale, nb, out, workspace, sm_scale, qk_qmax, pv_qmax,
+                              num_splits)
                 continue
             except triton.CompilationError as err:  # a Triton whose Gluon API differs: warn once, Triton serves
                 GLUON.close(q.device, err)
@@ -642,7 +643,6 @@ def _decode(
     # never read with one split: any valid address
     m_part, l_part, acc_part, counters = (out,) * 4 if plan.direct else workspace(plan.splits)
     k_sint, k_zint, v_sint, v_zint = (_words(x) for x in (k_sint, k_zint, v_sint, v_zint))
-    k_buf, v_buf = (k_buf, v_buf) if nb else (k_sint, v_sint)
     for kw, vw, heads in triton_groups:
         kc, vc = (k_codes[heads[0]].view(torch.int32), v_codes[heads[0]].view(torch.int32)) if t else (k_sint, v_sint)
         _turbo_decode_kernel[(plan.splits, b * len(heads))](

@@ -29,7 +29,9 @@ aligned = [n for n in names if n.endswith("_ptr")] + ["stride_kcb", "stride_vcb"
 src = GluonASTSource(fn=kernel, signature=signature,
                      constexprs={(names.index(k),): v for k, v in constexprs.items()},
                      attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, enable_fp_fusion=False))
+maxnreg = int(os.environ["MAXNREG"]) if os.environ.get("MAXNREG") else None
+compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=1, enable_fp_fusion=False, maxnreg=maxnreg))
 ptx = compiled.asm["ptx"]
 bin_dir = triton.__path__[0] + "/backends/nvidia/bin/"
 tmp = tempfile.mkdtemp()
