@@ -60,7 +60,10 @@ MAX_GROUP = 8  # query heads per KV head: mma's N
 BLOCK = gl.constexpr(64)  # keys per compressed block (n_b)
 HALF = gl.constexpr(64)  # bytes of a 4-bit code row = channel pairs
 ROWS = gl.constexpr(MAX_GROUP)
+PART = gl.constexpr(16)  # keys read, unpacked and multiplied at a time: one mma M tile
+PARTS = gl.constexpr(BLOCK.value // PART.value)
 PROGRAMS_PER_SM = 8  # one warp each at ≤ 255 registers: 8 fit an SM
+MAXNREG = None  # register cap of the kernel (None: the compiler's choice)
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 64  # the merge reads every split's partial in one program
 MERGE_ROWS = gl.constexpr(32)  # (split, row) partials merged at a time: 128 fp32 a lane
@@ -193,28 +196,38 @@ def _byte_pairs(smem, row: gl.constexpr, layout: gl.constexpr, dtype: gl.constex
 
 
 @gluon.jit
-def _softmax(s0, s1, m_i, l_i):
-    """SAS online softmax of one block's scores (two halves ``[32 keys, 8 rows]``): ``(P̃₀, P̃₁, α, m', ℓ')``."""
-    m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 0), gl.max(s1, 0)))
+def _softmax(s, m_i, l_i):
+    """SAS online softmax of one block's scores (a tuple of parts ``[16 keys, 8 rows]``): ``(P̃ parts, α, m', ℓ')``."""
+    m_blk = gl.max(s[0], 0)
+    for i in gl.static_range(1, len(s)):
+        m_blk = gl.maximum(m_blk, gl.max(s[i], 0))
+    m_new = gl.maximum(m_i, m_blk)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: SAS(−∞) = 0, not NaN
     alpha = _sas_exp(m_i - m_safe)
-    p0 = _sas_exp(s0 - m_safe[None, :])
-    p1 = _sas_exp(s1 - m_safe[None, :])
-    return p0, p1, alpha, m_new, l_i * alpha + (gl.sum(p0, 0) + gl.sum(p1, 0))
+    p = ()
+    total = gl.zeros_like(l_i)
+    for i in gl.static_range(len(s)):
+        p = p + (_sas_exp(s[i] - m_safe[None, :]),)
+        total += gl.sum(p[i], 0)
+    return p, alpha, m_new, l_i * alpha + total
 
 
 @gluon.jit
-def _quantize_p(p0, p1, PMAX: gl.constexpr):
-    """``(P̂₀, P̂₁, s_P)``: ``s_P = max(P̃ over the block) / PMAX`` per row (1 if 0), ``P̂ = min(rne(P̃ / s_P),
+def _quantize_p(p, PMAX: gl.constexpr):
+    """``(P̂ parts, s_P)``: ``s_P = max(P̃ over the block) / PMAX`` per row (1 if 0), ``P̂ = min(rne(P̃ / s_P),
     PMAX)`` with one reciprocal per row and Markstein's correction (the IEEE quotient itself)."""
-    p_scale = gl.div_rn(gl.maximum(gl.max(p0, 0), gl.max(p1, 0)), PMAX * 1.0)
+    p_max = gl.max(p[0], 0)
+    for i in gl.static_range(1, len(p)):
+        p_max = gl.maximum(p_max, gl.max(p[i], 0))
+    p_scale = gl.div_rn(p_max, PMAX * 1.0)
     p_scale = gl.where(p_scale == 0.0, 1.0, p_scale)
     r = gl.div_rn(gl.full_like(p_scale, 1.0), p_scale)[None, :]
-    q0 = p0 * r
-    q0 = gl.fma(gl.fma(-p_scale[None, :], q0, p0), r, q0)
-    q1 = p1 * r
-    q1 = gl.fma(gl.fma(-p_scale[None, :], q1, p1), r, q1)
-    return gl.minimum(_rne(q0), PMAX * 1.0), gl.minimum(_rne(q1), PMAX * 1.0), p_scale
+    out = ()
+    for i in gl.static_range(len(p)):
+        q = p[i] * r
+        q = gl.fma(gl.fma(-p_scale[None, :], q, p[i]), r, q)
+        out = out + (gl.minimum(_rne(q), PMAX * 1.0),)
+    return out, p_scale
 
 
 # --------------------------------------------------------------------------- kernel
@@ -238,23 +251,23 @@ def _turbo_decode_gluon(
     Partials (several splits): ``m``, ``ℓ`` ``(B·H, NUM_SPLITS)``, acc ``(B·H, NUM_SPLITS, 128)``.
 
     A block's codes and ``s^int`` / ``z^int`` reach shared memory by ``cp.async`` ``STAGES − 1`` blocks ahead;
-    each block is then read into registers in two halves of 32 keys."""
+    each block is then read into registers in parts of 16 keys (one mma M tile)."""
     mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
     op_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_l, k_width=2)
     row_l: gl.constexpr = gl.SliceLayout(0, mma_l)  # per query row [8]
-    # K codes [32 keys, 64 bytes]: lane (g, q) holds bytes 16q … 16q + 15 of keys g + 8i (16-byte reads)
+    # K codes [16 keys, 64 bytes]: lane (g, q) holds bytes 16q … 16q + 15 of keys g, g + 8 (16-byte reads)
     k_l: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0], [16, 0]],
-        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[32, HALF])
-    # V codes [32 keys, 64 bytes]: lane (g, q) holds bytes 8g … 8g + 7 of keys 4j + q (8-byte reads) ...
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[PART, HALF])
+    # V codes [16 keys, 64 bytes]: lane (g, q) holds bytes 8g … 8g + 7 of keys 4j + q (8-byte reads) ...
     v_l: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [4, 0], [8, 0], [16, 0]],
-        lane_bases=[[1, 0], [2, 0], [0, 8], [0, 16], [0, 32]], warp_bases=[], block_bases=[], shape=[32, HALF])
+        reg_bases=[[0, 1], [0, 2], [0, 4], [4, 0], [8, 0]],
+        lane_bases=[[1, 0], [2, 0], [0, 8], [0, 16], [0, 32]], warp_bases=[], block_bases=[], shape=[PART, HALF])
     # ... and, for the unpack, in the order bytes 0-3 of key τ, bytes 0-3 of key τ + 4, bytes 4-7 of τ, ...
     vu_l: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [4, 0], [0, 4], [8, 0], [16, 0]],
-        lane_bases=[[1, 0], [2, 0], [0, 8], [0, 16], [0, 32]], warp_bases=[], block_bases=[], shape=[32, HALF])
+        reg_bases=[[0, 1], [0, 2], [4, 0], [0, 4], [8, 0]],
+        lane_bases=[[1, 0], [2, 0], [0, 8], [0, 16], [0, 32]], warp_bases=[], block_bases=[], shape=[PART, HALF])
     # s^int / z^int rows [128] (channel 2β + parity): K's lane q holds bytes 32q …, V's lane group g 16g …
     ks_l: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]], lane_bases=[[0, 32], [0, 64], [0, 0], [0, 0], [0, 0]],
@@ -286,17 +299,17 @@ def _turbo_decode_gluon(
     kc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK, HALF], smem_l)
     vc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK, HALF], smem_l)
     sz_s = gl.allocate_shared_memory(gl.int8, [STAGES, 4, 2 * HALF], smem_l)
-    key_c = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, cp_l))[:, None] * HALF
-    byte_c = gl.arange(0, HALF, layout=gl.SliceLayout(0, cp_l))[None, :]
-    kc_ptrs = KC_ptr + k_off + b.to(gl.int64) * stride_kcb + key_c + byte_c
-    vc_ptrs = VC_ptr + v_off + b.to(gl.int64) * stride_vcb + key_c + byte_c
+    code_offs = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, cp_l))[:, None] * HALF \
+        + gl.arange(0, HALF, layout=gl.SliceLayout(0, cp_l))[None, :]
+    kc_base = KC_ptr + k_off + b.to(gl.int64) * stride_kcb
+    vc_base = VC_ptr + v_off + b.to(gl.int64) * stride_vcb
     which = gl.arange(0, 4, layout=gl.SliceLayout(1, sz_l))[:, None]
     sz_offs = bh.to(gl.int64) * T * (2 * HALF) + gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, sz_l))[None, :]
     sz_ptrs = gl.where(which == 0, KS_ptr, gl.where(which == 1, KZ_ptr, gl.where(which == 2, VS_ptr, VZ_ptr))) \
         + sz_offs
     sz_ptrs = gl.max_contiguous(gl.multiple_of(sz_ptrs, [1, 16]), [1, 16])  # rows of 128 bytes, 16-aligned
     for i in gl.static_range(STAGES - 1):
-        _copy_block(kc_s.index(i), vc_s.index(i), sz_s.index(i), kc_ptrs, vc_ptrs, sz_ptrs,
+        _copy_block(kc_s.index(i), vc_s.index(i), sz_s.index(i), kc_base, vc_base, code_offs, sz_ptrs,
                     gl.minimum(lo + i, hi - 1))
 
     # Q̂ per token (absmax / QMAX), rows r < GROUP = query heads h·GROUP + r; the B operands: even / odd channels
@@ -316,7 +329,7 @@ def _turbo_decode_gluon(
     l_i = gl.zeros([ROWS], gl.float32, row_l)
     acc_lo = gl.zeros([HALF, ROWS], gl.float32, mma_l)
     acc_hi = gl.zeros([HALF, ROWS], gl.float32, mma_l)
-    zero_s = gl.zeros([32, ROWS], gl.float32, mma_l)
+    zero_s = gl.zeros([PART, ROWS], gl.float32, mma_l)
     bs_row = bh * T
     kbs = gl.load(KBS_ptr + bs_row + lo)
     vbs = gl.load(VBS_ptr + bs_row + lo)
@@ -327,13 +340,13 @@ def _turbo_decode_gluon(
         async_copy.wait_group(STAGES - 2)  # block t has landed (this lane's copies) ...
         _cta_barrier()  # ... and every lane's; block t - 1's stage is free
         _copy_block(kc_s.index((st + STAGES - 1) % STAGES), vc_s.index((st + STAGES - 1) % STAGES),
-                    sz_s.index((st + STAGES - 1) % STAGES), kc_ptrs, vc_ptrs, sz_ptrs,
+                    sz_s.index((st + STAGES - 1) % STAGES), kc_base, vc_base, code_offs, sz_ptrs,
                     gl.minimum(t + STAGES - 1, hi - 1))
         kc_t = kc_s.index(st)
         vc_t = vc_s.index(st)
         sz_t = sz_s.index(st)
 
-        # K side: A = X + z^int (even / odd channels), B = Q̂ ⊙ s^int; two halves of 32 keys
+        # K side: A = X + z^int (even / odd channels), B = Q̂ ⊙ s^int; parts of 16 keys
         kz_e, kz_o = _byte_pairs(sz_t, 1, ks_l, gl.float16)
         z_lo = gl.convert_layout(kz_e - 1024.0, gl.SliceLayout(0, k_l))[None, :]
         z_hi = gl.convert_layout(kz_o - 64.0, gl.SliceLayout(0, k_l))[None, :]
@@ -343,20 +356,23 @@ def _turbo_decode_gluon(
         b_hi = qb_hi * gl.convert_layout(gl.reshape(_k_slots(gl.reshape(ks_o, [HALF, 1])), [HALF]),
                                          gl.SliceLayout(1, op_b))[:, None]
         qk = (qs * kbs)[None, :]
-        s0 = _key_scores(kc_t.slice(0, 32), z_lo, z_hi, b_lo, b_hi, zero_s, k_l, op_a) * qk * sm_scale
-        s1 = _key_scores(kc_t.slice(32, 32), z_lo, z_hi, b_lo, b_hi, zero_s, k_l, op_a) * qk * sm_scale
+        s = ()
+        for i in gl.static_range(PARTS):
+            s = s + (_key_scores(kc_t.slice(i * PART, PART), z_lo, z_hi, b_lo, b_hi, zero_s, k_l, op_a) * qk * sm_scale,)
 
         # softmax of the block, P̂ and its scale
-        p0, p1, alpha, m_i, l_i = _softmax(s0, s1, m_i, l_i)
-        p0, p1, p_scale = _quantize_p(p0, p1, PMAX)
-        p_sum = gl.sum(p0, 0) + gl.sum(p1, 0)
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i)
+        p, p_scale = _quantize_p(p, PMAX)
 
-        # V side: A = (X·2⁻²⁴)ᵀ (even channels) / (16·X·2⁻²⁴)ᵀ (odd), B = P̂ᵀ; two halves of 32 keys
-        zero_v = gl.zeros([HALF, ROWS], gl.float32, mma_l)
-        r_lo, r_hi = _value_products(vc_t.slice(0, 32), gl.convert_layout(_key_slots(p0.to(gl.float16)), op_b),
-                                     zero_v, zero_v, v_l, vu_l, op_a)
-        r_lo, r_hi = _value_products(vc_t.slice(32, 32), gl.convert_layout(_key_slots(p1.to(gl.float16)), op_b),
-                                     r_lo, r_hi, v_l, vu_l, op_a)
+        # V side: A = (X·2⁻²⁴)ᵀ (even channels) / (16·X·2⁻²⁴)ᵀ (odd), B = P̂ᵀ; parts of 16 keys
+        r_lo = gl.zeros([HALF, ROWS], gl.float32, mma_l)
+        r_hi = gl.zeros([HALF, ROWS], gl.float32, mma_l)
+        p_sum = gl.zeros([ROWS], gl.float32, row_l)
+        for i in gl.static_range(PARTS):
+            r_lo, r_hi = _value_products(vc_t.slice(i * PART, PART),
+                                         gl.convert_layout(_key_slots(p[i].to(gl.float16)), op_b),
+                                         r_lo, r_hi, v_l, vu_l, op_a)
+            p_sum += gl.sum(p[i], 0)
         # the block's P̂·V̂, exact: fma(z, ΣP̂, Σ X·P̂) ⊙ s, ``Σ X·P̂`` = the dot · 2²⁴ (odd channels: · 2²⁰)
         vz_e, vz_o = _byte_pairs(sz_t, 3, vs_l, gl.float32)
         vs_e, vs_o = _byte_pairs(sz_t, 2, vs_l, gl.float32)
@@ -398,10 +414,10 @@ def _turbo_decode_gluon(
 
 
 @gluon.jit
-def _copy_block(kc_dst, vc_dst, sz_dst, kc_ptrs, vc_ptrs, sz_ptrs, t):
+def _copy_block(kc_dst, vc_dst, sz_dst, kc_base, vc_base, code_offs, sz_ptrs, t):
     """``cp.async`` of block ``t``'s K and V codes and its four ``s^int`` / ``z^int`` rows; one commit group."""
-    _async_load(kc_dst, kc_ptrs + t * (BLOCK * HALF), cache_modifier=".cg")
-    _async_load(vc_dst, vc_ptrs + t * (BLOCK * HALF), cache_modifier=".cg")
+    _async_load(kc_dst, kc_base + t * (BLOCK * HALF) + code_offs, cache_modifier=".cg")
+    _async_load(vc_dst, vc_base + t * (BLOCK * HALF) + code_offs, cache_modifier=".cg")
     _async_load(sz_dst, sz_ptrs + t * (2 * HALF), cache_modifier=".cg")
     async_copy.commit_group()
 
@@ -436,10 +452,13 @@ def _as_rows(x, mma_l: gl.constexpr):
 
 
 @gluon.jit
-def _halves(x):
-    """``x [64, N]`` → ``(x[:32], x[32:])``."""
+def _parts(x):
+    """``x [64, N]`` → its four parts ``x[16i : 16i + 16]`` (a tuple)."""
     n: gl.constexpr = x.shape[1]
-    return gl.split(gl.permute(gl.reshape(x, [2, 32, n]), (1, 2, 0)))
+    a, b = gl.split(gl.permute(gl.reshape(x, [2, 2, PART, n]), (2, 3, 0, 1)))  # [16, N, i₁], i₀ = 0 / 1
+    a0, a1 = gl.split(a)
+    b0, b1 = gl.split(b)
+    return a0, b0, a1, b1
 
 
 @gluon.jit
@@ -454,24 +473,26 @@ def _buffer_block(KB_ptr, KBSC_ptr, VB_ptr, VBSC_ptr, bh, NB, qb_lo, qb_hi, qs, 
     offs = (bh.to(gl.int64) * NB + key[:, None, None]) * (2 * HALF) + 2 * byte[None, :, None] + par[None, None, :]
     ok = (key < NB)[:, None, None]
     k_even, k_odd = gl.split(gl.load(KB_ptr + offs, mask=ok, other=0).to(gl.float16))
-    zero_s = gl.zeros([32, ROWS], gl.float32, mma_l)
-    keys = gl.arange(0, 32, layout=gl.SliceLayout(1, mma_l))
+    k_even = _parts(k_even)
+    k_odd = _parts(k_odd)
+    zero_s = gl.zeros([PART, ROWS], gl.float32, mma_l)
+    keys = gl.arange(0, PART, layout=gl.SliceLayout(1, mma_l))
     qk = (qs * gl.load(KBSC_ptr + bh))[None, :]
     s = ()
-    for i in gl.static_range(2):
-        ke = _halves(k_even)[i]
-        ko = _halves(k_odd)[i]
-        s_int = mma_v2(_k_operand(ko, op_a), qb_hi, mma_v2(_k_operand(ke, op_a), qb_lo, zero_s))
-        s = s + (gl.where((i * 32 + keys < NB)[:, None], s_int * qk * sm_scale, float("-inf")),)
-    p0, p1, alpha, m_i, l_i = _softmax(s[0], s[1], m_i, l_i)
-    p0, p1, p_scale = _quantize_p(p0, p1, PMAX)
+    for i in gl.static_range(PARTS):
+        s_int = mma_v2(_k_operand(k_odd[i], op_a), qb_hi, mma_v2(_k_operand(k_even[i], op_a), qb_lo, zero_s))
+        s = s + (gl.where((i * PART + keys < NB)[:, None], s_int * qk * sm_scale, float("-inf")),)
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i)
+    p, p_scale = _quantize_p(p, PMAX)
     v_even, v_odd = gl.split(gl.load(VB_ptr + offs, mask=ok, other=0).to(gl.float16))
+    v_even = _parts(v_even)
+    v_odd = _parts(v_odd)
     r_lo = gl.zeros([HALF, ROWS], gl.float32, mma_l)
     r_hi = gl.zeros([HALF, ROWS], gl.float32, mma_l)
-    for i in gl.static_range(2):
-        pb = gl.convert_layout(_key_slots((p0 if i == 0 else p1).to(gl.float16)), op_b)
-        r_lo = mma_v2(_v_operand(_halves(v_even)[i], op_a), pb, r_lo)
-        r_hi = mma_v2(_v_operand(_halves(v_odd)[i], op_a), pb, r_hi)
+    for i in gl.static_range(PARTS):
+        pb = gl.convert_layout(_key_slots(p[i].to(gl.float16)), op_b)
+        r_lo = mma_v2(_v_operand(v_even[i], op_a), pb, r_lo)
+        r_hi = mma_v2(_v_operand(v_odd[i], op_a), pb, r_hi)
     vbs = gl.load(VBSC_ptr + bh)
     acc_lo = acc_lo * alpha[None, :] + r_lo * p_scale[None, :] * vbs
     acc_hi = acc_hi * alpha[None, :] + r_hi * p_scale[None, :] * vbs
@@ -575,5 +596,5 @@ def launch(q, heads, meta, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zint, v_b
         t, nb, hkv, len(heads), per_split, splits, sm_scale,
         GROUP=group, G_PAD=triton.next_power_of_2(group), QMAX=qk_qmax, PMAX=pv_qmax,
         SPLITS_PAD=triton.next_power_of_2(splits), STAGES=3,
-        num_warps=1, enable_fp_fusion=False,
+        num_warps=1, enable_fp_fusion=False, **({"maxnreg": MAXNREG} if MAXNREG else {}),
     )
