@@ -64,6 +64,7 @@ PART = gl.constexpr(16)  # keys read, unpacked and multiplied at a time: one mma
 PARTS = gl.constexpr(BLOCK.value // PART.value)
 PROGRAMS_PER_SM = 8  # one warp each at ≤ 255 registers: 8 fit an SM
 MAXNREG = None  # register cap of the kernel (None: the compiler's choice)
+STAGES = 3  # blocks in shared memory: the one computed and STAGES − 1 on their way
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 64  # the merge reads every split's partial in one program
 MERGE_ROWS = gl.constexpr(32)  # (split, row) partials merged at a time: 128 fp32 a lane
@@ -595,6 +596,6 @@ def launch(q, heads, meta, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zint, v_b
         m_part, l_part, acc_part, counters,
         t, nb, hkv, len(heads), per_split, splits, sm_scale,
         GROUP=group, G_PAD=triton.next_power_of_2(group), QMAX=qk_qmax, PMAX=pv_qmax,
-        SPLITS_PAD=triton.next_power_of_2(splits), STAGES=3,
+        SPLITS_PAD=triton.next_power_of_2(splits), STAGES=STAGES,
         num_warps=1, enable_fp_fusion=False, **({"maxnreg": MAXNREG} if MAXNREG else {}),
     )
