@@ -72,22 +72,28 @@ MERGE_ROWS = gl.constexpr(32)  # (split, row) partials merged at a time: 128 fp3
 _N_R, _NEG_LOG2E = gl.constexpr(SAS_THRESHOLD), gl.constexpr(-LOG2E)
 _C3, _C2, _C1, _C0 = (gl.constexpr(c) for c in POLY_COEFFS)
 
-# 4 packed bytes b0..b3 ($4) → low nibbles as (1024 + code) + (z − 1024) ($0: b0, b1; $1: b2, b3) and high nibbles
-# as (1024 + 16·code) / 16 + (z − 64) ($2, $3); $5, $6 / $7, $8: the fp16 (z − 1024) / (z − 64) of those channels.
-# lop3 (a & b) | c (LUT 0xEA) keeps a nibble and ORs in fp16 1024 (ulp 1; 16·code: ulp 1 of 1024 + 16·code).
+# 4 packed bytes b0..b3 ($4) → the low nibbles as fp16 subnormals code·2⁻²⁴ ($0: b0, b2; $1: b1, b3) and the high
+# ones as 16·code·2⁻²⁴ ($2: b0, b2; $3: b1, b3): the masked bits themselves, one shift for the odd bytes.
 _K_ASM = gl.constexpr("""{
-.reg .b32 t0, t1, u0, u1, u2, u3, s;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-lop3.b32 u0, t0, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 u1, t1, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 u2, t0, 0x00F000F0, 0x64006400, 0xEA;
-lop3.b32 u3, t1, 0x00F000F0, 0x64006400, 0xEA;
-mov.b32 s, 0x2C002C00;
-add.f16x2 $0, u0, $5;
-add.f16x2 $1, u1, $6;
-fma.rn.f16x2 $2, u2, s, $7;
-fma.rn.f16x2 $3, u3, s, $8;
+.reg .b32 t;
+shr.b32 t, $4, 8;
+and.b32 $0, $4, 0x000F000F;
+and.b32 $1, t, 0x000F000F;
+and.b32 $2, $4, 0x00F000F0;
+and.b32 $3, t, 0x00F000F0;
+}""")
+
+# 4 signed bytes b0..b3 ($2) → fp16 ($0: b0, b2; $1: b1, b3): offset binary (xor 0x80) under fp16 1024 (ulp 1) is
+# 1152 + b, then one sub.f16x2 a pair. All exact.
+_S8_ASM = gl.constexpr("""{
+.reg .b32 x, h, u, v, c;
+xor.b32 x, $2, 0x80808080;
+shr.b32 h, x, 8;
+lop3.b32 u, x, 0x00FF00FF, 0x64006400, 0xEA;
+lop3.b32 v, h, 0x00FF00FF, 0x64006400, 0xEA;
+mov.b32 c, 0x64806480;
+sub.f16x2 $0, u, c;
+sub.f16x2 $1, v, c;
 }""")
 
 # Bytes β0..β3 of key τ ($8) and of key τ + 4 ($9) → per β one fp16 pair (key τ, key τ + 4): the low nibbles as the
@@ -132,10 +138,11 @@ def _sas_exp(x):
 
 @gluon.jit
 def _k_slots(t):
-    """Relabel axis 0 of ``t [64, N]``, a byte index ``β = 16q + 4s + 2h + b``, as the fragment K slot
-    ``k = 16s + 8h + 2q + b`` (lane ``q`` of a quad holds bytes ``16q … 16q + 15``; no data moves)."""
+    """Relabel axis 0 of ``t [64, N]``, a byte index ``β = 16q + 4s + 2b + h``, as the fragment K slot
+    ``k = 16s + 8h + 2q + b`` (no data moves): lane ``q`` of a quad holds bytes ``16q … 16q + 15``, and a register
+    the pair of bytes ``β, β + 2`` (:data:`_K_ASM`, :data:`_S8_ASM`), the fragment's K pair."""
     n: gl.constexpr = t.shape[1]
-    t = gl.permute(gl.reshape(t, [4, 4, 2, 2, n]), (1, 2, 0, 3, 4))
+    t = gl.permute(gl.reshape(t, [4, 4, 2, 2, n]), (1, 3, 0, 2, 4))
     return gl.reshape(t, [HALF, n])
 
 
@@ -191,36 +198,42 @@ def _unpacked_labels(x):
 @gluon.jit
 def _byte_pairs(smem, row: gl.constexpr, layout: gl.constexpr, dtype: gl.constexpr):
     """Row ``row`` (``[128]`` int8, ``s^int`` or ``z^int``) of a block's ``[4, 128]`` in shared memory as (even,
-    odd) channels ``[64]`` in ``dtype``, each lane holding the bytes ``layout`` gives it."""
-    x = gl.reshape(smem.slice(row, 1).load(layout).to(dtype), [HALF, 2])
-    return gl.split(x)
+    odd) channels ``[64]`` in ``dtype``, each lane holding the bytes ``layout`` gives it (fp16: by
+    :data:`_S8_ASM`, two bytes at a time)."""
+    x = smem.slice(row, 1).load(layout)
+    if dtype == gl.float16:
+        x = gl.inline_asm_elementwise(_S8_ASM, "=r,=r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
+        x = _nibble_labels(x)
+    else:
+        x = x.to(dtype)
+    return gl.split(gl.reshape(x, [HALF, 2]))
 
 
 @gluon.jit
 def _softmax(s, m_i, l_i):
     """SAS online softmax of one block's scores (a tuple of parts ``[16 keys, 8 rows]``): ``(P̃ parts, α, m', ℓ')``."""
-    m_blk = gl.max(s[0], 0)
+    m_blk = s[0]  # the parts combined element-wise first: one cross-lane reduction a block
     for i in gl.static_range(1, len(s)):
-        m_blk = gl.maximum(m_blk, gl.max(s[i], 0))
-    m_new = gl.maximum(m_i, m_blk)
+        m_blk = gl.maximum(m_blk, s[i])
+    m_new = gl.maximum(m_i, gl.max(m_blk, 0))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: SAS(−∞) = 0, not NaN
     alpha = _sas_exp(m_i - m_safe)
-    p = ()
-    total = gl.zeros_like(l_i)
-    for i in gl.static_range(len(s)):
+    p = (_sas_exp(s[0] - m_safe[None, :]),)
+    total = p[0]
+    for i in gl.static_range(1, len(s)):
         p = p + (_sas_exp(s[i] - m_safe[None, :]),)
-        total += gl.sum(p[i], 0)
-    return p, alpha, m_new, l_i * alpha + total
+        total += p[i]
+    return p, alpha, m_new, l_i * alpha + gl.sum(total, 0)
 
 
 @gluon.jit
 def _quantize_p(p, PMAX: gl.constexpr):
     """``(P̂ parts, s_P)``: ``s_P = max(P̃ over the block) / PMAX`` per row (1 if 0), ``P̂ = min(rne(P̃ / s_P),
     PMAX)`` with one reciprocal per row and Markstein's correction (the IEEE quotient itself)."""
-    p_max = gl.max(p[0], 0)
+    p_max = p[0]
     for i in gl.static_range(1, len(p)):
-        p_max = gl.maximum(p_max, gl.max(p[i], 0))
-    p_scale = gl.div_rn(p_max, PMAX * 1.0)
+        p_max = gl.maximum(p_max, p[i])
+    p_scale = gl.div_rn(gl.max(p_max, 0), PMAX * 1.0)
     p_scale = gl.where(p_scale == 0.0, 1.0, p_scale)
     r = gl.div_rn(gl.full_like(p_scale, 1.0), p_scale)[None, :]
     out = ()
@@ -347,19 +360,18 @@ def _turbo_decode_gluon(
         vc_t = vc_s.index(st)
         sz_t = sz_s.index(st)
 
-        # K side: A = X + z^int (even / odd channels), B = Q̂ ⊙ s^int; parts of 16 keys
+        # K side: A = X·2⁻²⁴ (even channels) / 16·X·2⁻²⁴ (odd), B = Q̂ ⊙ s^int (odd: / 16), the accumulator
+        # starting at (Q̂·(z^int ⊙ s^int))·2⁻²⁴ (one dot of Q̂ with z ⊙ s a block): Sᵀ·2⁻²⁴, exact; parts of 16 keys
         kz_e, kz_o = _byte_pairs(sz_t, 1, ks_l, gl.float16)
-        z_lo = gl.convert_layout(kz_e - 1024.0, gl.SliceLayout(0, k_l))[None, :]
-        z_hi = gl.convert_layout(kz_o - 64.0, gl.SliceLayout(0, k_l))[None, :]
         ks_e, ks_o = _byte_pairs(sz_t, 0, ks_l, gl.float16)
-        b_lo = qb_lo * gl.convert_layout(gl.reshape(_k_slots(gl.reshape(ks_e, [HALF, 1])), [HALF]),
-                                         gl.SliceLayout(1, op_b))[:, None]
-        b_hi = qb_hi * gl.convert_layout(gl.reshape(_k_slots(gl.reshape(ks_o, [HALF, 1])), [HALF]),
-                                         gl.SliceLayout(1, op_b))[:, None]
-        qk = (qs * kbs)[None, :]
+        bias = mma_v2(_bias_operand(kz_e * ks_e, op_a), qb_lo, zero_s)
+        bias = mma_v2(_bias_operand(kz_o * ks_o, op_a), qb_hi, bias) * (1.0 / 16777216.0)
+        b_lo = qb_lo * _k_slot_vector(ks_e, op_b)[:, None]
+        b_hi = qb_hi * _k_slot_vector(ks_o * 0.0625, op_b)[:, None]
+        qk = (qs * kbs * 16777216.0)[None, :]  # 2²⁴·s_Q·s_K: S·2⁻²⁴ · qk = S·(s_Q·s_K), one rounding as S·s_Q·s_K
         s = ()
         for i in gl.static_range(PARTS):
-            s = s + (_key_scores(kc_t.slice(i * PART, PART), z_lo, z_hi, b_lo, b_hi, zero_s, k_l, op_a) * qk * sm_scale,)
+            s = s + (_key_scores(kc_t.slice(i * PART, PART), b_lo, b_hi, bias, k_l, op_a) * qk * sm_scale,)
 
         # softmax of the block, P̂ and its scale
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i)
@@ -368,17 +380,21 @@ def _turbo_decode_gluon(
         # V side: A = (X·2⁻²⁴)ᵀ (even channels) / (16·X·2⁻²⁴)ᵀ (odd), B = P̂ᵀ; parts of 16 keys
         r_lo = gl.zeros([HALF, ROWS], gl.float32, mma_l)
         r_hi = gl.zeros([HALF, ROWS], gl.float32, mma_l)
-        p_sum = gl.zeros([ROWS], gl.float32, row_l)
+        p_all = p[0]
         for i in gl.static_range(PARTS):
             r_lo, r_hi = _value_products(vc_t.slice(i * PART, PART),
                                          gl.convert_layout(_key_slots(p[i].to(gl.float16)), op_b),
                                          r_lo, r_hi, v_l, vu_l, op_a)
-            p_sum += gl.sum(p[i], 0)
-        # the block's P̂·V̂, exact: fma(z, ΣP̂, Σ X·P̂) ⊙ s, ``Σ X·P̂`` = the dot · 2²⁴ (odd channels: · 2²⁰)
+            if i > 0:
+                p_all += p[i]
+        p_sum = gl.sum(p_all, 0)
+        # the block's P̂·V̂, exact: (Σ X·P̂·2⁻²⁴ + z^int·2⁻²⁴·ΣP̂)·(s^int·2²⁴) (odd channels: 2⁻²⁰, 2²⁰)
         vz_e, vz_o = _byte_pairs(sz_t, 3, vs_l, gl.float32)
         vs_e, vs_o = _byte_pairs(sz_t, 2, vs_l, gl.float32)
-        r_lo = gl.fma(_as_rows(vz_e, mma_l), p_sum[None, :], r_lo * 16777216.0) * _as_rows(vs_e, mma_l)
-        r_hi = gl.fma(_as_rows(vz_o, mma_l), p_sum[None, :], r_hi * 1048576.0) * _as_rows(vs_o, mma_l)
+        r_lo = gl.fma(_as_rows(vz_e * (1.0 / 16777216.0), mma_l), p_sum[None, :], r_lo) \
+            * _as_rows(vs_e * 16777216.0, mma_l)
+        r_hi = gl.fma(_as_rows(vz_o * (1.0 / 1048576.0), mma_l), p_sum[None, :], r_hi) \
+            * _as_rows(vs_o * 1048576.0, mma_l)
         acc_lo = acc_lo * alpha[None, :] + r_lo * p_scale[None, :] * vbs
         acc_hi = acc_hi * alpha[None, :] + r_hi * p_scale[None, :] * vbs
         kbs, vbs = kbs_n, vbs_n
@@ -424,13 +440,36 @@ def _copy_block(kc_dst, vc_dst, sz_dst, kc_base, vc_base, code_offs, sz_ptrs, t)
 
 
 @gluon.jit
-def _key_scores(kc, z_lo, z_hi, b_lo, b_hi, zero, k_l: gl.constexpr, op_a: gl.constexpr):
-    """``Q̂·K̂ᵀ`` of 32 keys (``kc``: their codes in shared memory) as ``[32 keys, 8 rows]`` fp32, exact."""
-    codes = kc.load(k_l)
-    a_lo, a_hi = gl.inline_asm_elementwise(
-        _K_ASM, "=r,=r,=r,=r,r,r,r,r,r", [codes, gl.broadcast(z_lo, codes)[0], gl.broadcast(z_hi, codes)[0]],
-        dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
-    return mma_v2(_k_operand(a_hi, op_a), b_hi, mma_v2(_k_operand(a_lo, op_a), b_lo, zero))
+def _key_scores(kc, b_lo, b_hi, bias, k_l: gl.constexpr, op_a: gl.constexpr):
+    """``Sᵀ·2⁻²⁴`` of 16 keys (``kc``: their codes in shared memory) as ``[16 keys, 8 rows]`` fp32, exact."""
+    a_lo, a_hi = gl.inline_asm_elementwise(_K_ASM, "=r,=r,=r,=r,r", [kc.load(k_l)], dtype=(gl.float16, gl.float16),
+                                           is_pure=True, pack=4)
+    return mma_v2(_k_operand(_nibble_labels(a_hi), op_a), b_hi, mma_v2(_k_operand(_nibble_labels(a_lo), op_a), b_lo,
+                                                                        bias))
+
+
+@gluon.jit
+def _nibble_labels(x):
+    """The true labels of :data:`_K_ASM`'s and :data:`_S8_ASM`'s outputs ``[rows, bytes]``: element ``e`` of a pack
+    of 4 is labelled byte ``e`` but holds byte ``2e₀ + e₁`` (the two low byte bits swapped; no data moves)."""
+    n: gl.constexpr = x.shape[0]
+    c: gl.constexpr = x.shape[1]
+    x = gl.permute(gl.reshape(x, [n, c // 4, 2, 2]), (0, 1, 3, 2))
+    return gl.reshape(x, [n, c])
+
+
+@gluon.jit
+def _k_slot_vector(x, op_b: gl.constexpr):
+    """Per-byte values ``[64]`` (lane ``q`` holding bytes ``16q …``) as the K slots of the B operand ``[64]``."""
+    x = gl.reshape(_k_slots(gl.reshape(x, [HALF, 1])), [HALF])
+    return gl.convert_layout(x, gl.SliceLayout(1, op_b))
+
+
+@gluon.jit
+def _bias_operand(w, op_a: gl.constexpr):
+    """Per-byte values ``[64]`` (``z^int ⊙ s^int`` of one parity) as an A operand ``[16, 64]`` of 16 equal rows."""
+    w = gl.convert_layout(gl.reshape(_k_slots(gl.reshape(w, [HALF, 1])), [HALF]), gl.SliceLayout(0, op_a))
+    return gl.broadcast(w[None, :], gl.zeros([PART, HALF], gl.float16, op_a))[0]
 
 
 @gluon.jit
@@ -597,5 +636,6 @@ def launch(q, heads, meta, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zint, v_b
         t, nb, hkv, len(heads), per_split, splits, sm_scale,
         GROUP=group, G_PAD=triton.next_power_of_2(group), QMAX=qk_qmax, PMAX=pv_qmax,
         SPLITS_PAD=triton.next_power_of_2(splits), STAGES=STAGES,
-        num_warps=1, enable_fp_fusion=False, **({"maxnreg": MAXNREG} if MAXNREG else {}),
+        # one split follows the reference's roundings; several draw P̂ per split anyway: FMA contraction allowed
+        num_warps=1, enable_fp_fusion=splits > 1, **({"maxnreg": MAXNREG} if MAXNREG else {}),
     )

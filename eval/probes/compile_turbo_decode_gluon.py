@@ -31,7 +31,7 @@ src = GluonASTSource(fn=kernel, signature=signature,
                      attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
 maxnreg = int(os.environ["MAXNREG"]) if os.environ.get("MAXNREG") else None
 compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=1, enable_fp_fusion=False, maxnreg=maxnreg))
+                          options=dict(num_warps=1, enable_fp_fusion=bool(os.environ.get("FUSION")), maxnreg=maxnreg))
 ptx = compiled.asm["ptx"]
 bin_dir = triton.__path__[0] + "/backends/nvidia/bin/"
 tmp = tempfile.mkdtemp()
