@@ -64,7 +64,7 @@ PART = gl.constexpr(16)  # keys read, unpacked and multiplied at a time: one mma
 PARTS = gl.constexpr(BLOCK.value // PART.value)
 PROGRAMS_PER_SM = 8  # one warp each at ≤ 255 registers: 8 fit an SM
 MAXNREG = None  # register cap of the kernel (None: the compiler's choice)
-STAGES = 3  # blocks in shared memory: the one computed and STAGES − 1 on their way
+STAGES = 2  # blocks in shared memory: the one computed and STAGES − 1 on their way
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 64  # the merge reads every split's partial in one program
 MERGE_ROWS = gl.constexpr(32)  # (split, row) partials merged at a time: 128 fp32 a lane
@@ -227,9 +227,9 @@ def _softmax(s, m_i, l_i):
 
 
 @gluon.jit
-def _quantize_p(p, PMAX: gl.constexpr):
+def _quantize_p(p, PMAX: gl.constexpr, EXACT: gl.constexpr):
     """``(P̂ parts, s_P)``: ``s_P = max(P̃ over the block) / PMAX`` per row (1 if 0), ``P̂ = min(rne(P̃ / s_P),
-    PMAX)`` with one reciprocal per row and Markstein's correction (the IEEE quotient itself)."""
+    PMAX)`` with one reciprocal per row, and (``EXACT``) Markstein's correction (the IEEE quotient itself)."""
     p_max = p[0]
     for i in gl.static_range(1, len(p)):
         p_max = gl.maximum(p_max, p[i])
@@ -239,7 +239,8 @@ def _quantize_p(p, PMAX: gl.constexpr):
     out = ()
     for i in gl.static_range(len(p)):
         q = p[i] * r
-        q = gl.fma(gl.fma(-p_scale[None, :], q, p[i]), r, q)
+        if EXACT:
+            q = gl.fma(gl.fma(-p_scale[None, :], q, p[i]), r, q)
         out = out + (gl.minimum(_rne(q), PMAX * 1.0),)
     return out, p_scale
 
@@ -257,7 +258,7 @@ def _turbo_decode_gluon(
     MP_ptr, LP_ptr, ACC_ptr, CNT_ptr,
     T, NB, HKV, HG, BLOCKS_PER_SPLIT, NUM_SPLITS, sm_scale,
     GROUP: gl.constexpr, G_PAD: gl.constexpr, QMAX: gl.constexpr, PMAX: gl.constexpr, SPLITS_PAD: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, EXACT: gl.constexpr,
 ):
     """Split ``program_id(0)`` of (batch, group slot) ``program_id(1)``; ``META`` = (KV head, offsets of its K / V
     codes from the group's first head's, in int32 words). Codes ``uint8 (B, T·64, 64)`` per head, ``s^int`` /
@@ -265,7 +266,9 @@ def _turbo_decode_gluon(
     Partials (several splits): ``m``, ``ℓ`` ``(B·H, NUM_SPLITS)``, acc ``(B·H, NUM_SPLITS, 128)``.
 
     A block's codes and ``s^int`` / ``z^int`` reach shared memory by ``cp.async`` ``STAGES − 1`` blocks ahead;
-    each block is then read into registers in parts of 16 keys (one mma M tile)."""
+    each block is then read into registers in parts of 16 keys (one mma M tile). ``EXACT`` (one split): every
+    rounding is the reference's; else (each split draws its own P̂ anyway) a score takes one multiply by
+    ``s_Q·s_K·scale``, P̂ = rne(P̃·RN(1/s_P)) and R = (P̂·V̂)·(s_P·s_V)."""
     mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
     op_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_l, k_width=2)
@@ -369,13 +372,18 @@ def _turbo_decode_gluon(
         b_lo = qb_lo * _k_slot_vector(ks_e, op_b)[:, None]
         b_hi = qb_hi * _k_slot_vector(ks_o * 0.0625, op_b)[:, None]
         qk = (qs * kbs * 16777216.0)[None, :]  # 2²⁴·s_Q·s_K: S·2⁻²⁴ · qk = S·(s_Q·s_K), one rounding as S·s_Q·s_K
+        if not EXACT:
+            qk = qk * sm_scale  # one multiply a score, not two
         s = ()
         for i in gl.static_range(PARTS):
-            s = s + (_key_scores(kc_t.slice(i * PART, PART), b_lo, b_hi, bias, k_l, op_a) * qk * sm_scale,)
+            s_i = _key_scores(kc_t.slice(i * PART, PART), b_lo, b_hi, bias, k_l, op_a) * qk
+            if EXACT:
+                s_i = s_i * sm_scale
+            s = s + (s_i,)
 
         # softmax of the block, P̂ and its scale
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i)
-        p, p_scale = _quantize_p(p, PMAX)
+        p, p_scale = _quantize_p(p, PMAX, EXACT)
 
         # V side: A = (X·2⁻²⁴)ᵀ (even channels) / (16·X·2⁻²⁴)ᵀ (odd), B = P̂ᵀ; parts of 16 keys
         r_lo = gl.zeros([HALF, ROWS], gl.float32, mma_l)
@@ -395,8 +403,13 @@ def _turbo_decode_gluon(
             * _as_rows(vs_e * 16777216.0, mma_l)
         r_hi = gl.fma(_as_rows(vz_o * (1.0 / 1048576.0), mma_l), p_sum[None, :], r_hi) \
             * _as_rows(vs_o * 1048576.0, mma_l)
-        acc_lo = acc_lo * alpha[None, :] + r_lo * p_scale[None, :] * vbs
-        acc_hi = acc_hi * alpha[None, :] + r_hi * p_scale[None, :] * vbs
+        if EXACT:
+            acc_lo = acc_lo * alpha[None, :] + r_lo * p_scale[None, :] * vbs
+            acc_hi = acc_hi * alpha[None, :] + r_hi * p_scale[None, :] * vbs
+        else:
+            f = (p_scale * vbs)[None, :]
+            acc_lo = acc_lo * alpha[None, :] + r_lo * f
+            acc_hi = acc_hi * alpha[None, :] + r_hi * f
         kbs, vbs = kbs_n, vbs_n
     async_copy.wait_group(0)
 
@@ -523,7 +536,7 @@ def _buffer_block(KB_ptr, KBSC_ptr, VB_ptr, VBSC_ptr, bh, NB, qb_lo, qb_hi, qs, 
         s_int = mma_v2(_k_operand(k_odd[i], op_a), qb_hi, mma_v2(_k_operand(k_even[i], op_a), qb_lo, zero_s))
         s = s + (gl.where((i * PART + keys < NB)[:, None], s_int * qk * sm_scale, float("-inf")),)
     p, alpha, m_i, l_i = _softmax(s, m_i, l_i)
-    p, p_scale = _quantize_p(p, PMAX)
+    p, p_scale = _quantize_p(p, PMAX, True)
     v_even, v_odd = gl.split(gl.load(VB_ptr + offs, mask=ok, other=0).to(gl.float16))
     v_even = _parts(v_even)
     v_odd = _parts(v_odd)
@@ -635,7 +648,7 @@ def launch(q, heads, meta, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zint, v_b
         m_part, l_part, acc_part, counters,
         t, nb, hkv, len(heads), per_split, splits, sm_scale,
         GROUP=group, G_PAD=triton.next_power_of_2(group), QMAX=qk_qmax, PMAX=pv_qmax,
-        SPLITS_PAD=triton.next_power_of_2(splits), STAGES=STAGES,
+        SPLITS_PAD=triton.next_power_of_2(splits), STAGES=STAGES, EXACT=splits == 1,
         # one split follows the reference's roundings; several draw P̂ per split anyway: FMA contraction allowed
         num_warps=1, enable_fp_fusion=splits > 1, **({"maxnreg": MAXNREG} if MAXNREG else {}),
     )
