@@ -210,12 +210,31 @@ def _byte_pairs(smem, row: gl.constexpr, layout: gl.constexpr, dtype: gl.constex
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i):
-    """SAS online softmax of one block's scores (a tuple of parts ``[16 keys, 8 rows]``): ``(P̃ parts, α, m', ℓ')``."""
-    m_blk = s[0]  # the parts combined element-wise first: one cross-lane reduction a block
+def _pair(x, PAIR: gl.constexpr, MAX: gl.constexpr):
+    """Per-column values ``[8]`` combined over the column pairs ``(c, c ^ 4)`` (max or sum) when ``PAIR``."""
+    if PAIR:
+        y = gl.reshape(x, [2, ROWS // 2])
+        y = gl.max(y, 0) if MAX else gl.sum(y, 0)
+        x = gl.convert_layout(gl.reshape(gl.permute(gl.join(y, y), (1, 0)), [ROWS]), x.type.layout)
+    return x
+
+
+@gluon.jit
+def _fold_pairs(acc):
+    """``acc [64, 8]`` with columns ``c`` and ``c + 4`` summed into column ``c`` (and ``c + 4``)."""
+    n: gl.constexpr = acc.shape[0]
+    y = gl.sum(gl.reshape(acc, [n, 2, ROWS // 2]), 1)
+    return gl.convert_layout(gl.reshape(gl.permute(gl.join(y, y), (0, 2, 1)), [n, ROWS]), acc.type.layout)
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, PAIR: gl.constexpr):
+    """SAS online softmax of one block's scores (a tuple of tiles ``[16 keys, 8 columns]``): ``(P̃ tiles, α, m',
+    ℓ')``; ``PAIR``: columns ``c`` and ``c ^ 4`` are one query row (:func:`_pair`)."""
+    m_blk = s[0]  # the tiles combined element-wise first: one cross-lane reduction a block
     for i in gl.static_range(1, len(s)):
         m_blk = gl.maximum(m_blk, s[i])
-    m_new = gl.maximum(m_i, gl.max(m_blk, 0))
+    m_new = gl.maximum(m_i, _pair(gl.max(m_blk, 0), PAIR, True))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: SAS(−∞) = 0, not NaN
     alpha = _sas_exp(m_i - m_safe)
     p = (_sas_exp(s[0] - m_safe[None, :]),)
@@ -223,17 +242,17 @@ def _softmax(s, m_i, l_i):
     for i in gl.static_range(1, len(s)):
         p = p + (_sas_exp(s[i] - m_safe[None, :]),)
         total += p[i]
-    return p, alpha, m_new, l_i * alpha + gl.sum(total, 0)
+    return p, alpha, m_new, l_i * alpha + _pair(gl.sum(total, 0), PAIR, False)
 
 
 @gluon.jit
-def _quantize_p(p, PMAX: gl.constexpr, EXACT: gl.constexpr):
+def _quantize_p(p, PMAX: gl.constexpr, EXACT: gl.constexpr, PAIR: gl.constexpr):
     """``(P̂ parts, s_P)``: ``s_P = max(P̃ over the block) / PMAX`` per row (1 if 0), ``P̂ = min(rne(P̃ / s_P),
     PMAX)`` with one reciprocal per row, and (``EXACT``) Markstein's correction (the IEEE quotient itself)."""
     p_max = p[0]
     for i in gl.static_range(1, len(p)):
         p_max = gl.maximum(p_max, p[i])
-    p_scale = gl.div_rn(gl.max(p_max, 0), PMAX * 1.0)
+    p_scale = gl.div_rn(_pair(gl.max(p_max, 0), PAIR, True), PMAX * 1.0)
     p_scale = gl.where(p_scale == 0.0, 1.0, p_scale)
     r = gl.div_rn(gl.full_like(p_scale, 1.0), p_scale)[None, :]
     out = ()
@@ -301,6 +320,8 @@ def _turbo_decode_gluon(
                                          order=[1, 0])
     smem_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 
+    PAIR: gl.constexpr = GROUP <= ROWS // 2
+    TILES: gl.constexpr = PARTS // 2 if PAIR else PARTS  # score tiles a block
     pid_s = gl.program_id(0)
     pid = gl.program_id(1)
     b = pid // HG
@@ -329,18 +350,23 @@ def _turbo_decode_gluon(
         _copy_block(kc_s.index(i), vc_s.index(i), sz_s.index(i), kc_base, vc_base, code_offs, sz_ptrs,
                     gl.minimum(lo + i, hi - 1))
 
-    # Q̂ per token (absmax / QMAX), rows r < GROUP = query heads h·GROUP + r; the B operands: even / odd channels
-    r_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_l))
-    c_q = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, q_l))
-    q = gl.load(Q_ptr + b.to(gl.int64) * stride_qb + (h * GROUP + r_q)[:, None] * stride_qh + c_q[None, :],
-                mask=(r_q < GROUP)[:, None], other=0.0).to(gl.float32)
-    qs = gl.div_rn(gl.max(gl.abs(q), 1), QMAX * 1.0)
-    qs = gl.where(qs == 0.0, 1.0, qs)
-    q_hat = gl.minimum(gl.maximum(_rne(gl.div_rn(q, qs[:, None])), -QMAX * 1.0), QMAX * 1.0).to(gl.float16)
-    q_even, q_odd = gl.split(gl.reshape(q_hat, [ROWS, HALF, 2]))
-    qb_lo = gl.convert_layout(_k_slots(gl.permute(q_even, (1, 0))), op_b)
-    qb_hi = gl.convert_layout(_k_slots(gl.permute(q_odd, (1, 0))), op_b)
-    qs = gl.convert_layout(qs, row_l)
+    # Q̂ per token (absmax / QMAX) as B operands (even / odd channels): column c < GROUP = query head h·GROUP + c.
+    # PAIR (GROUP ≤ 4): a second copy in columns 4 + c, so that one score tile holds two parts of 16 keys (the
+    # first in columns 0-3, the second in 4-7) and no lane computes a softmax on padding columns.
+    col = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_l))
+    qb_lo, qb_hi, qs = _q_operands(Q_ptr, b, h * GROUP + col, col < GROUP, stride_qb, stride_qh, q_l, op_b, row_l,
+                                   QMAX)
+    if PAIR:
+        qb2_lo, qb2_hi, qs2 = _q_operands(Q_ptr, b, h * GROUP + col - ROWS // 2, (col >= ROWS // 2)
+                                          & (col - ROWS // 2 < GROUP), stride_qb, stride_qh, q_l, op_b, row_l, QMAX)
+        cols = gl.arange(0, ROWS, layout=row_l)
+        qs_cols = gl.where(cols < ROWS // 2, qs, qs2)
+        qw_lo = qb_lo + qb2_lo  # Q̂ in both column halves: the bias dot
+        qw_hi = qb_hi + qb2_hi
+    else:
+        qs_cols = qs
+        qw_lo = qb_lo
+        qw_hi = qb_hi
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_l)
     l_i = gl.zeros([ROWS], gl.float32, row_l)
@@ -367,35 +393,47 @@ def _turbo_decode_gluon(
         # starting at (Q̂·(z^int ⊙ s^int))·2⁻²⁴ (one dot of Q̂ with z ⊙ s a block): Sᵀ·2⁻²⁴, exact; parts of 16 keys
         kz_e, kz_o = _byte_pairs(sz_t, 1, ks_l, gl.float16)
         ks_e, ks_o = _byte_pairs(sz_t, 0, ks_l, gl.float16)
-        bias = mma_v2(_bias_operand(kz_e * ks_e, op_a), qb_lo, zero_s)
-        bias = mma_v2(_bias_operand(kz_o * ks_o, op_a), qb_hi, bias) * (1.0 / 16777216.0)
-        b_lo = qb_lo * _k_slot_vector(ks_e, op_b)[:, None]
-        b_hi = qb_hi * _k_slot_vector(ks_o * 0.0625, op_b)[:, None]
-        qk = (qs * kbs * 16777216.0)[None, :]  # 2²⁴·s_Q·s_K: S·2⁻²⁴ · qk = S·(s_Q·s_K), one rounding as S·s_Q·s_K
+        bias = mma_v2(_bias_operand(kz_e * ks_e, op_a), qw_lo, zero_s)
+        bias = mma_v2(_bias_operand(kz_o * ks_o, op_a), qw_hi, bias) * (1.0 / 16777216.0)
+        s_lo = _k_slot_vector(ks_e, op_b)[:, None]
+        s_hi = _k_slot_vector(ks_o * 0.0625, op_b)[:, None]
+        b_lo = qb_lo * s_lo
+        b_hi = qb_hi * s_hi
+        qk = (qs_cols * kbs * 16777216.0)[None, :]  # 2²⁴·s_Q·s_K: S·2⁻²⁴·qk = S·(s_Q·s_K), one rounding as S·s_Q·s_K
         if not EXACT:
             qk = qk * sm_scale  # one multiply a score, not two
         s = ()
-        for i in gl.static_range(PARTS):
-            s_i = _key_scores(kc_t.slice(i * PART, PART), b_lo, b_hi, bias, k_l, op_a) * qk
+        for i in gl.static_range(TILES):
+            if PAIR:
+                s_i = _key_scores(kc_t.slice(2 * i * PART, PART), b_lo, b_hi, bias, k_l, op_a)
+                s_i = _key_scores(kc_t.slice((2 * i + 1) * PART, PART), qb2_lo * s_lo, qb2_hi * s_hi, s_i, k_l, op_a)
+            else:
+                s_i = _key_scores(kc_t.slice(i * PART, PART), b_lo, b_hi, bias, k_l, op_a)
+            s_i = s_i * qk
             if EXACT:
                 s_i = s_i * sm_scale
             s = s + (s_i,)
 
         # softmax of the block, P̂ and its scale
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i)
-        p, p_scale = _quantize_p(p, PMAX, EXACT)
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, PAIR)
+        p, p_scale = _quantize_p(p, PMAX, EXACT, PAIR)
 
         # V side: A = (X·2⁻²⁴)ᵀ (even channels) / (16·X·2⁻²⁴)ᵀ (odd), B = P̂ᵀ; parts of 16 keys
         r_lo = gl.zeros([HALF, ROWS], gl.float32, mma_l)
         r_hi = gl.zeros([HALF, ROWS], gl.float32, mma_l)
         p_all = p[0]
         for i in gl.static_range(PARTS):
+            if PAIR:  # part i's P̂: its tile's column half (the other half zero)
+                p_i = gl.where(((gl.arange(0, ROWS, layout=row_l) < ROWS // 2) == (i % 2 == 0))[None, :],
+                               p[i // 2], 0.0)
+            else:
+                p_i = p[i]
             r_lo, r_hi = _value_products(vc_t.slice(i * PART, PART),
-                                         gl.convert_layout(_key_slots(p[i].to(gl.float16)), op_b),
+                                         gl.convert_layout(_key_slots(p_i.to(gl.float16)), op_b),
                                          r_lo, r_hi, v_l, vu_l, op_a)
-            if i > 0:
-                p_all += p[i]
-        p_sum = gl.sum(p_all, 0)
+        for i in gl.static_range(1, TILES):
+            p_all += p[i]
+        p_sum = gl.sum(p_all, 0)  # per column: its own keys' ΣP̂
         # the block's P̂·V̂, exact: (Σ X·P̂·2⁻²⁴ + z^int·2⁻²⁴·ΣP̂)·(s^int·2²⁴) (odd channels: 2⁻²⁰, 2²⁰)
         vz_e, vz_o = _byte_pairs(sz_t, 3, vs_l, gl.float32)
         vs_e, vs_o = _byte_pairs(sz_t, 2, vs_l, gl.float32)
@@ -412,6 +450,9 @@ def _turbo_decode_gluon(
             acc_hi = acc_hi * alpha[None, :] + r_hi * f
         kbs, vbs = kbs_n, vbs_n
     async_copy.wait_group(0)
+    if PAIR:  # a query row's two column halves summed (m and ℓ are already the row's in both)
+        acc_lo = _fold_pairs(acc_lo)
+        acc_hi = _fold_pairs(acc_hi)
 
     if (pid_s == NUM_SPLITS - 1) & (NB > 0):  # the INT8 buffer: the newest NB keys, one universal scale a head
         acc_lo, acc_hi, m_i, l_i = _buffer_block(
@@ -441,6 +482,22 @@ def _turbo_decode_gluon(
             gl.atomic_xchg(CNT_ptr + bh, 0)  # zero again for the next call
             _merge_splits(MP_ptr, LP_ptr, ACC_ptr, O_ptr, b, h, HKV, NUM_SPLITS, stride_ob, stride_oh,
                           GROUP, G_PAD, SPLITS_PAD)
+
+
+@gluon.jit
+def _q_operands(Q_ptr, b, head, ok, stride_qb, stride_qh, q_l: gl.constexpr, op_b: gl.constexpr,
+                row_l: gl.constexpr, QMAX: gl.constexpr):
+    """Q̂ = clamp(rne(q / s_Q), ±QMAX), s_Q = absmax / QMAX per token (1 if 0), of query heads ``head [8]`` (columns
+    where ``ok``, zeros elsewhere): ``(B operand of the even channels, of the odd ones, s_Q [8])``."""
+    c_q = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, q_l))
+    q = gl.load(Q_ptr + b.to(gl.int64) * stride_qb + head[:, None] * stride_qh + c_q[None, :], mask=ok[:, None],
+                other=0.0).to(gl.float32)
+    qs = gl.div_rn(gl.max(gl.abs(q), 1), QMAX * 1.0)
+    qs = gl.where(qs == 0.0, 1.0, qs)
+    q_hat = gl.minimum(gl.maximum(_rne(gl.div_rn(q, qs[:, None])), -QMAX * 1.0), QMAX * 1.0).to(gl.float16)
+    q_even, q_odd = gl.split(gl.reshape(q_hat, [ROWS, HALF, 2]))
+    return (gl.convert_layout(_k_slots(gl.permute(q_even, (1, 0))), op_b),
+            gl.convert_layout(_k_slots(gl.permute(q_odd, (1, 0))), op_b), gl.convert_layout(qs, row_l))
 
 
 @gluon.jit
@@ -535,8 +592,8 @@ def _buffer_block(KB_ptr, KBSC_ptr, VB_ptr, VBSC_ptr, bh, NB, qb_lo, qb_hi, qs, 
     for i in gl.static_range(PARTS):
         s_int = mma_v2(_k_operand(k_odd[i], op_a), qb_hi, mma_v2(_k_operand(k_even[i], op_a), qb_lo, zero_s))
         s = s + (gl.where((i * PART + keys < NB)[:, None], s_int * qk * sm_scale, float("-inf")),)
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i)
-    p, p_scale = _quantize_p(p, PMAX, True)
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, False)
+    p, p_scale = _quantize_p(p, PMAX, True, False)
     v_even, v_odd = gl.split(gl.load(VB_ptr + offs, mask=ok, other=0).to(gl.float16))
     v_even = _parts(v_even)
     v_odd = _parts(v_odd)
