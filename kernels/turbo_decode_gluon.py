@@ -73,10 +73,11 @@ _N_R, _NEG_LOG2E = gl.constexpr(SAS_THRESHOLD), gl.constexpr(-LOG2E)
 _C3, _C2, _C1, _C0 = (gl.constexpr(c) for c in POLY_COEFFS)
 
 # 4 packed bytes b0..b3 ($4) → the low nibbles as fp16 subnormals code·2⁻²⁴ ($0: b0, b2; $1: b1, b3) and the high
-# ones as 16·code·2⁻²⁴ ($2: b0, b2; $3: b1, b3): the masked bits themselves, one shift for the odd bytes.
+# ones as 16·code·2⁻²⁴ ($2: b0, b2; $3: b1, b3): the masked bits themselves, one shift for the odd bytes (as
+# mul.hi by 2²⁴: the FMA pipe's IMAD, not the ALU, which the masks keep busy).
 _K_ASM = gl.constexpr("""{
 .reg .b32 t;
-shr.b32 t, $4, 8;
+mul.hi.u32 t, $4, 16777216;
 and.b32 $0, $4, 0x000F000F;
 and.b32 $1, t, 0x000F000F;
 and.b32 $2, $4, 0x00F000F0;
@@ -88,7 +89,7 @@ and.b32 $3, t, 0x00F000F0;
 _S8_ASM = gl.constexpr("""{
 .reg .b32 x, h, u, v, c;
 xor.b32 x, $2, 0x80808080;
-shr.b32 h, x, 8;
+mul.hi.u32 h, x, 16777216;
 lop3.b32 u, x, 0x00FF00FF, 0x64006400, 0xEA;
 lop3.b32 v, h, 0x00FF00FF, 0x64006400, 0xEA;
 mov.b32 c, 0x64806480;
