@@ -495,7 +495,10 @@ def _q_operands(Q_ptr, b, head, ok, stride_qb, stride_qh, q_l: gl.constexpr, op_
                 other=0.0).to(gl.float32)
     qs = gl.div_rn(gl.max(gl.abs(q), 1), QMAX * 1.0)
     qs = gl.where(qs == 0.0, 1.0, qs)
-    q_hat = gl.minimum(gl.maximum(_rne(gl.div_rn(q, qs[:, None])), -QMAX * 1.0), QMAX * 1.0).to(gl.float16)
+    r = gl.div_rn(gl.full_like(qs, 1.0), qs)[:, None]  # q / s_Q: one reciprocal a row, Markstein's correction
+    q_hat = q * r
+    q_hat = gl.fma(gl.fma(-qs[:, None], q_hat, q), r, q_hat)  # the IEEE quotient itself
+    q_hat = gl.minimum(gl.maximum(_rne(q_hat), -QMAX * 1.0), QMAX * 1.0).to(gl.float16)
     q_even, q_odd = gl.split(gl.reshape(q_hat, [ROWS, HALF, 2]))
     return (gl.convert_layout(_k_slots(gl.permute(q_even, (1, 0))), op_b),
             gl.convert_layout(_k_slots(gl.permute(q_odd, (1, 0))), op_b), gl.convert_layout(qs, row_l))
