@@ -423,15 +423,16 @@ def _turbo_decode_gluon(
         r_lo = gl.zeros([HALF, ROWS], gl.float32, mma_l)
         r_hi = gl.zeros([HALF, ROWS], gl.float32, mma_l)
         p_all = p[0]
-        for i in gl.static_range(PARTS):
-            if PAIR:  # part i's P̂: its tile's column half (the other half zero)
-                p_i = gl.where(((gl.arange(0, ROWS, layout=row_l) < ROWS // 2) == (i % 2 == 0))[None, :],
-                               p[i // 2], 0.0)
+        first_half = (gl.arange(0, ROWS, layout=gl.SliceLayout(0, op_b)) < ROWS // 2)[None, :]
+        for i in gl.static_range(TILES):
+            pb = gl.convert_layout(_key_slots(p[i].to(gl.float16)), op_b)  # one conversion a tile
+            if PAIR:  # part 2i's P̂: the tile's first column half (the other half zero), part 2i + 1's: the second
+                r_lo, r_hi = _value_products(vc_t.slice(2 * i * PART, PART), gl.where(first_half, pb, 0.0),
+                                             r_lo, r_hi, v_l, vu_l, op_a)
+                r_lo, r_hi = _value_products(vc_t.slice((2 * i + 1) * PART, PART), gl.where(first_half, 0.0, pb),
+                                             r_lo, r_hi, v_l, vu_l, op_a)
             else:
-                p_i = p[i]
-            r_lo, r_hi = _value_products(vc_t.slice(i * PART, PART),
-                                         gl.convert_layout(_key_slots(p_i.to(gl.float16)), op_b),
-                                         r_lo, r_hi, v_l, vu_l, op_a)
+                r_lo, r_hi = _value_products(vc_t.slice(i * PART, PART), pb, r_lo, r_hi, v_l, vu_l, op_a)
         for i in gl.static_range(1, TILES):
             p_all += p[i]
         p_sum = gl.sum(p_all, 0)  # per column: its own keys' ΣP̂
@@ -614,6 +615,18 @@ def _buffer_block(KB_ptr, KBSC_ptr, VB_ptr, VBSC_ptr, bh, NB, qb_lo, qb_hi, qs, 
 
 
 @gluon.jit
+def _merge_chunk_loads(MP_ptr, ACC_ptr, head0, NUM_SPLITS, s0, sc, rc, cc, GROUP: gl.constexpr):
+    """Splits ``s0 … s0 + CHUNK − 1`` of the rows ``head0 + rc``: their ``m [CHUNK, G_PAD]`` and acc
+    ``[CHUNK, G_PAD, 128]`` (−∞ and 0 past the splits and rows)."""
+    ok = (s0 + sc < NUM_SPLITS)[:, None] & (rc < GROUP)[None, :]
+    part = (head0 + rc[None, :]).to(gl.int64) * NUM_SPLITS + s0 + sc[:, None]
+    m = gl.load(MP_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    acc = gl.load(ACC_ptr + part[:, :, None] * (2 * HALF) + cc[None, None, :], mask=ok[:, :, None], other=0.0,
+                  cache_modifier=".cg")
+    return m, acc
+
+
+@gluon.jit
 def _merge_splits(MP_ptr, LP_ptr, ACC_ptr, O_ptr, b, h, HKV, NUM_SPLITS, stride_ob, stride_oh,
                   GROUP: gl.constexpr, G_PAD: gl.constexpr, SPLITS_PAD: gl.constexpr):
     """``O = Σ_s SAS(m_s − M)·acc_s / Σ_s SAS(m_s − M)·ℓ_s`` over the splits of (b, h), in split order, the
@@ -623,6 +636,11 @@ def _merge_splits(MP_ptr, LP_ptr, ACC_ptr, O_ptr, b, h, HKV, NUM_SPLITS, stride_
     a_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 1, 32],
                                          warps_per_cta=[1, 1, 1], order=[2, 1, 0])
     head0 = b * (HKV * GROUP) + h * GROUP
+    CHUNK: gl.constexpr = MERGE_ROWS // G_PAD  # splits merged at a time
+    sc = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, gl.SliceLayout(2, a_l)))
+    rc = gl.arange(0, G_PAD, layout=gl.SliceLayout(0, gl.SliceLayout(2, a_l)))
+    cc = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, gl.SliceLayout(1, a_l)))
+    first = _merge_chunk_loads(MP_ptr, ACC_ptr, head0, NUM_SPLITS, 0, sc, rc, cc, GROUP)  # in flight with m, ℓ
     sp = gl.arange(0, SPLITS_PAD, layout=gl.SliceLayout(1, m_l))
     rows = gl.arange(0, G_PAD, layout=gl.SliceLayout(0, m_l))
     ok = (sp < NUM_SPLITS)[:, None] & (rows < GROUP)[None, :]
@@ -632,19 +650,11 @@ def _merge_splits(MP_ptr, LP_ptr, ACC_ptr, O_ptr, b, h, HKV, NUM_SPLITS, stride_
     m_ref = gl.where(m_max == float("-inf"), 0.0, m_max)
     ell = gl.sum(_sas_exp(m - m_ref[None, :]) * gl.load(LP_ptr + part, mask=ok, other=0.0, cache_modifier=".cg"), 0)
 
-    CHUNK: gl.constexpr = MERGE_ROWS // G_PAD  # splits merged at a time
-    sc = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, gl.SliceLayout(2, a_l)))
-    rc = gl.arange(0, G_PAD, layout=gl.SliceLayout(0, gl.SliceLayout(2, a_l)))
-    cc = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, gl.SliceLayout(1, a_l)))
-    m_ref3 = gl.convert_layout(m_ref, gl.SliceLayout(0, gl.SliceLayout(2, a_l)))
-    acc = gl.zeros([G_PAD, 2 * HALF], gl.float32, gl.SliceLayout(0, a_l))
-    for s0 in range(0, NUM_SPLITS, CHUNK):
-        ok2 = (s0 + sc < NUM_SPLITS)[:, None] & (rc < GROUP)[None, :]
-        part2 = (head0 + rc[None, :]).to(gl.int64) * NUM_SPLITS + s0 + sc[:, None]
-        w = _sas_exp(gl.load(MP_ptr + part2, mask=ok2, other=float("-inf"), cache_modifier=".cg") - m_ref3[None, :])
-        a = gl.load(ACC_ptr + part2[:, :, None] * (2 * HALF) + cc[None, None, :], mask=ok2[:, :, None], other=0.0,
-                    cache_modifier=".cg")
-        acc += gl.sum(w[:, :, None] * a, 0)
+    m_ref3 = gl.convert_layout(m_ref, gl.SliceLayout(0, gl.SliceLayout(2, a_l)))[None, :]
+    acc = gl.sum(_sas_exp(first[0] - m_ref3)[:, :, None] * first[1], 0)
+    for s0 in range(CHUNK, NUM_SPLITS, CHUNK):
+        m_c, a = _merge_chunk_loads(MP_ptr, ACC_ptr, head0, NUM_SPLITS, s0, sc, rc, cc, GROUP)
+        acc += gl.sum(_sas_exp(m_c - m_ref3)[:, :, None] * a, 0)
     ell = gl.convert_layout(ell, gl.SliceLayout(1, gl.SliceLayout(0, a_l)))
     out = gl.where((ell == 0.0)[:, None], 0.0, acc / gl.where(ell == 0.0, 1.0, ell)[:, None])
     ro = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, gl.SliceLayout(0, a_l)))
