@@ -3,37 +3,40 @@ tensor-core dots straight from the registers their loads filled.
 
 Same numerics as :mod:`quantpatch.kernels.turbo_decode_triton` (Algorithm 2 with FlashQ and SAS: Q̂ per token,
 ``K̂ = (X + z^int)·s^int``, SAS online softmax per 64-key block, P̂ INT8 per block and query head, every dot an
-exact integer sum on fp16 operands with fp32 accumulation, IEEE quotients, no FMA contraction), for the shape
-that decoding takes: one query token, ``G ≤ 8`` query heads per KV head, ``D = 128``, K and V both 4-bit. Each
-program is one warp; it takes one (batch, KV head) and a run of key blocks; the runs (splits) are merged by the
-last one to finish, in split order (deterministic).
+exact integer sum on fp16 operands with fp32 accumulation), for the shape that decoding takes: one query token,
+``G ≤ 8`` query heads per KV head, ``D = 128``, K and V both 4-bit. With one split (``EXACT``) every rounding is
+the reference's (IEEE quotients, no FMA contraction); with several, where each split draws its own P̂ anyway,
+FMA contraction and one multiply per score are allowed. Each program is one warp: one (batch, KV head) and a
+run of key blocks (a split); the splits are merged by the last one to finish, in split order (deterministic).
 
 Why a warp of its own: the Triton kernel spends its time moving every code through shared memory to reach the
 ``mma`` operand layout (``ldmatrix``) and waiting on the barriers around it. Here the layouts are explicit: swap
-AB (the keys and the channels are the ``mma`` M dimension, the ``G`` query rows its N = 8), and the bytes a thread
-loads are exactly the slots of its ``m16n8k16`` fragments after a relabelling of the reduction index, so a code
-goes register → PTX bit trick → ``mma`` with no data movement::
+AB (keys and channels are the ``mma`` M dimension, the query rows its N = 8), and the bytes a thread reads are
+exactly the slots of its ``m16n8k16`` fragments after a relabelling of the reduction index, so a code goes
+shared memory → register → bit trick → ``mma``::
 
-    K side  Sᵀ [64 keys, 8] = (X + z^int)[64, 128] · (Q̂ ⊙ s^int)ᵀ
-            a thread loads 16 contiguous bytes (32 channels) of its 8 key rows; per byte the low nibble is
-            channel 2β and the high one 2β + 1, so the even and odd channels are two dots of K = 64; the byte
-            index β is relabelled as the fragment's K slot (k = 16s + 8h + 2q + b for β = 16q + 4s + 2h + b),
-            and Q̂'s rows in the same order. lop3 makes ``1024 + code`` (or ``1024 + 16·code``), one add.f16x2
-            (fma.f16x2 with 1/16) adds ``z^int − 1024`` (``z^int − 64``): the operand is ``X + z^int`` exactly.
-            ``Q̂ ⊙ s^int ≤ 119·16`` is exact in fp16; the products ``(X + z)·s·Q̂ = K̂·Q̂`` sum to the INT8 dot.
-    softmax the 64 keys of a block are the M rows of one warp: the block's row max, P̂ scale and sums are
-            in-register reductions plus three shuffles.
-    V side  Oᵀ [128 channels, 8] += (X·2⁻²⁴)ᵀ [128, 64 keys] · P̂ᵀ
-            a thread loads 8 contiguous bytes (16 channels) of 16 keys (τ = 4j + q: a warp's load is 4 whole
-            rows); prmt pairs the same byte of keys τ and τ + 4 (the fragment's K pair), and the masked nibbles
-            are the fp16 pair (subnormals ``code·2⁻²⁴``, ``16·code·2⁻²⁴`` for odd channels), so the dot is
+    copies  cp.async brings a block's K and V codes and its s^int / z^int rows to shared memory, STAGES − 1
+            blocks ahead; each block is then read in parts of 16 keys (one mma M tile).
+    K side  Sᵀ·2⁻²⁴ [16 keys, 8] = X·2⁻²⁴ [16, 128] · (Q̂ ⊙ s^int)ᵀ, the accumulator starting at
+            (Q̂ · (z^int ⊙ s^int))·2⁻²⁴ (one dot a block): a thread reads 16 contiguous bytes (32 channels) of its
+            two keys; the masked nibbles are fp16 subnormals (code·2⁻²⁴, 16·code·2⁻²⁴ for odd channels, whose
+            Q̂ ⊙ s^int is divided by 16), even and odd channels two dots of K = 64; the byte index is relabelled
+            as the fragment's K slot (:func:`_k_slots`) and Q̂'s rows in the same order. ``Q̂ ⊙ s^int ≤ 119·16``
+            and ``z^int ⊙ s^int`` are exact in fp16, every sum an integer < 2²⁴ times 2⁻²⁴: exact.
+    pairing for G ≤ 4 one score tile holds two parts (columns 0-3 and 4-7), so no lane runs the softmax on
+            padding columns; a row's maxima and sums combine its two columns.
+    softmax the keys of a part are the M rows of one warp: the block's row max, P̂ scale and sums are in-register
+            reductions plus three shuffles.
+    V side  Oᵀ [128 channels, 8] += (X·2⁻²⁴)ᵀ [128, 16 keys] · P̂ᵀ a part: a thread reads 8 contiguous bytes
+            (16 channels) of 4 keys (τ = 4j + q: a warp's read is 4 whole rows); prmt pairs the same byte of
+            keys τ and τ + 4 (the fragment's K pair), the masked nibbles are the fp16 pair, so the dot is
             ``Σ X·P̂`` times a power of two, exactly, and the block's integer ``P̂·V̂ = s^int ⊙ (Σ X·P̂ +
-            z^int·ΣP̂)`` comes out exactly in fp32.
-            P̂ reaches the B fragment through one layout conversion per block (the only shared-memory trip).
+            z^int·ΣP̂)`` comes out exactly in fp32. P̂ reaches the B fragment through one layout conversion a
+            tile.
 
 The INT8 buffer (the newest ``< 64`` keys, one universal scale) is the last block of the last split, loaded
-through ordinary layouts. Host side: :func:`turbo_decode_gluon` (called by ``turbo_decode_triton`` for the code
-groups it takes, :func:`gluon_unsupported` says which).
+through ordinary layouts. Host side: :func:`launch` (called by ``turbo_decode_triton._decode`` for the code
+groups it takes: ``turbo_decode_triton.gluon_takes``, :func:`group_unsupported`).
 """
 
 from __future__ import annotations
