@@ -279,12 +279,13 @@ def _turbo_decode_gluon(
     KB_ptr, KBSC_ptr, VB_ptr, VBSC_ptr, META_ptr,
     O_ptr, stride_ob, stride_oh,
     MP_ptr, LP_ptr, ACC_ptr, CNT_ptr,
-    T, NB, HKV, HG, BLOCKS_PER_SPLIT, NUM_SPLITS, sm_scale,
+    T, NB, HKV, HG, BLOCKS_PER_SPLIT, NUM_SPLITS, sm_scale, H0, K_STEP, V_STEP,
     GROUP: gl.constexpr, G_PAD: gl.constexpr, QMAX: gl.constexpr, PMAX: gl.constexpr, SPLITS_PAD: gl.constexpr,
-    STAGES: gl.constexpr, EXACT: gl.constexpr,
+    STAGES: gl.constexpr, EXACT: gl.constexpr, REGULAR: gl.constexpr,
 ):
     """Split ``program_id(0)`` of (batch, group slot) ``program_id(1)``; ``META`` = (KV head, offsets of its K / V
-    codes from the group's first head's, in int32 words). Codes ``uint8 (B, T·64, 64)`` per head, ``s^int`` /
+    codes from the group's first head's, in int32 words), or (``REGULAR``) head ``H0 + slot`` at ``slot·K_STEP`` /
+    ``slot·V_STEP`` words. Codes ``uint8 (B, T·64, 64)`` per head, ``s^int`` /
     ``z^int`` ``int8 (B, Hkv, T, 128)``, block scales ``(B, Hkv, T)``, buffer ``int8 (B, Hkv, NB, 128)``.
     Partials (several splits): ``m``, ``ℓ`` ``(B·H, NUM_SPLITS)``, acc ``(B·H, NUM_SPLITS, 128)``.
 
@@ -330,9 +331,14 @@ def _turbo_decode_gluon(
     pid = gl.program_id(1)
     b = pid // HG
     slot = pid % HG
-    h = gl.load(META_ptr + slot).to(gl.int32)
-    k_off = gl.multiple_of(gl.load(META_ptr + HG + slot) * 4, 16)
-    v_off = gl.multiple_of(gl.load(META_ptr + 2 * HG + slot) * 4, 16)
+    if REGULAR:  # heads H0, H0 + 1, … with their codes K_STEP / V_STEP words apart: no META round trip
+        h = H0 + slot
+        k_off = gl.multiple_of(slot.to(gl.int64) * K_STEP * 4, 16)
+        v_off = gl.multiple_of(slot.to(gl.int64) * V_STEP * 4, 16)
+    else:
+        h = gl.load(META_ptr + slot).to(gl.int32)
+        k_off = gl.multiple_of(gl.load(META_ptr + HG + slot) * 4, 16)
+        v_off = gl.multiple_of(gl.load(META_ptr + 2 * HG + slot) * 4, 16)
     bh = b * HKV + h
 
     # the split's blocks, STAGES − 1 of them on their way to shared memory
@@ -355,22 +361,23 @@ def _turbo_decode_gluon(
                     gl.minimum(lo + i, hi - 1))
 
     # Q̂ per token (absmax / QMAX) as B operands (even / odd channels): column c < GROUP = query head h·GROUP + c.
-    # PAIR (GROUP ≤ 4): a second copy in columns 4 + c, so that one score tile holds two parts of 16 keys (the
-    # first in columns 0-3, the second in 4-7) and no lane computes a softmax on padding columns.
+    # PAIR (GROUP ≤ 4): a second copy in columns 4 + c (one load and quantization for both), so that one score
+    # tile holds two parts of 16 keys (the first in columns 0-3, the second in 4-7) and no lane computes a softmax
+    # on padding columns.
     col = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_l))
-    qb_lo, qb_hi, qs = _q_operands(Q_ptr, b, h * GROUP + col, col < GROUP, stride_qb, stride_qh, q_l, op_b, row_l,
-                                   QMAX)
-    if PAIR:
-        qb2_lo, qb2_hi, qs2 = _q_operands(Q_ptr, b, h * GROUP + col - ROWS // 2, (col >= ROWS // 2)
-                                          & (col - ROWS // 2 < GROUP), stride_qb, stride_qh, q_l, op_b, row_l, QMAX)
-        cols = gl.arange(0, ROWS, layout=row_l)
-        qs_cols = gl.where(cols < ROWS // 2, qs, qs2)
-        qw_lo = qb_lo + qb2_lo  # Q̂ in both column halves: the bias dot
-        qw_hi = qb_hi + qb2_hi
+    q_col = col % (ROWS // 2) if PAIR else col
+    qw_lo, qw_hi, qs_cols = _q_operands(Q_ptr, b, h * GROUP + q_col, q_col < GROUP, stride_qb, stride_qh, q_l, op_b,
+                                        row_l, QMAX)
+    if PAIR:  # qw: Q̂ in both column halves (the bias dot), qb / qb2: in the first / second half only
+        first = (gl.arange(0, ROWS, layout=gl.SliceLayout(0, op_b)) < ROWS // 2).to(gl.float16)[None, :]
+        qb_lo = qw_lo * first  # (a multiply by 0 / 1 keeps the fragment's fp16 pairs packed; a select does not)
+        qb_hi = qw_hi * first
+        qb2_lo = qw_lo * (1.0 - first)
+        qb2_hi = qw_hi * (1.0 - first)
     else:
-        qs_cols = qs
-        qw_lo = qb_lo
-        qw_hi = qb_hi
+        qb_lo = qw_lo
+        qb_hi = qw_hi
+    qs = qs_cols
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_l)
     l_i = gl.zeros([ROWS], gl.float32, row_l)
@@ -698,14 +705,17 @@ def default_num_splits(batch: int, kv_heads: int, n_blocks: int, device: torch.d
     return max(1, min(want, n_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
 
 
-def launch(q, heads, meta, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zint, v_bscale, k_buf, k_buf_scale, v_buf,
-           v_buf_scale, nb: int, out, workspace, sm_scale: float, qk_qmax: int, pv_qmax: int, num_splits: int) -> None:
+def launch(q, heads, meta, steps, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zint, v_bscale, k_buf, k_buf_scale,
+           v_buf, v_buf_scale, nb: int, out, workspace, sm_scale: float, qk_qmax: int, pv_qmax: int,
+           num_splits: int) -> None:
     """One launch over the KV heads ``heads`` (a 4-bit group) of a decode call into ``out (B, H, 1, 128)``.
 
     ``kc`` / ``vc``: the group's first head's codes ``uint8 (B, T·64, 64)`` (``meta``: the heads and their code
-    offsets, ``turbo_decode_triton._group_meta``); ``s^int`` / ``z^int`` int8 and block scales fp32 of the whole
-    cache; buffers ``int8 (B, Hkv, nb, 128)`` with fp32 scales (any valid tensor when ``nb = 0``); ``workspace``:
-    ``workspace(splits) → (m, ℓ, acc, counters)`` for several splits; ``num_splits`` ≤ 0: the default."""
+    offsets, ``turbo_decode_triton._group_meta``; ``steps``: ``(K step, V step)`` in int32 words where the heads
+    are consecutive and their codes evenly spaced (16-byte multiples), else None); ``s^int`` / ``z^int`` int8 and
+    block scales fp32 of the whole cache; buffers ``int8 (B, Hkv, nb, 128)`` with fp32 scales (any valid tensor
+    when ``nb = 0``); ``workspace``: ``workspace(splits) → (m, ℓ, acc, counters)`` for several splits;
+    ``num_splits`` ≤ 0: the default."""
     b, h, _, d = q.shape
     hkv, t = k_sint.shape[1], k_sint.shape[2]
     group = h // hkv
@@ -720,9 +730,9 @@ def launch(q, heads, meta, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zint, v_b
         k_buf, k_buf_scale, v_buf, v_buf_scale, meta,
         out, out.stride(0), out.stride(1),
         m_part, l_part, acc_part, counters,
-        t, nb, hkv, len(heads), per_split, splits, sm_scale,
+        t, nb, hkv, len(heads), per_split, splits, sm_scale, heads[0], *(steps or (0, 0)),
         GROUP=group, G_PAD=triton.next_power_of_2(group), QMAX=qk_qmax, PMAX=pv_qmax,
-        SPLITS_PAD=triton.next_power_of_2(splits), STAGES=STAGES, EXACT=splits == 1,
+        SPLITS_PAD=triton.next_power_of_2(splits), STAGES=STAGES, EXACT=splits == 1, REGULAR=steps is not None,
         # one split follows the reference's roundings; several draw P̂ per split anyway: FMA contraction allowed
         num_warps=1, enable_fp_fusion=splits > 1, **({"maxnreg": MAXNREG} if MAXNREG else {}),
     )

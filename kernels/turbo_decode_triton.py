@@ -545,6 +545,21 @@ def _group_meta(heads: tuple[int, ...], k_codes, v_codes, device) -> torch.Tenso
     return _meta_tensor(values, device)
 
 
+def _regular_steps(heads: tuple[int, ...], k_codes, v_codes) -> tuple[int, int] | None:
+    """``(K step, V step)`` in int32 words where ``heads`` are consecutive and their code tensors evenly spaced by
+    multiples of 16 bytes (``turbo_compress_blocks`` lays a width's heads out so), else None."""
+    if heads != tuple(range(heads[0], heads[0] + len(heads))):
+        return None
+    steps = []
+    for codes in (k_codes, v_codes):
+        ptrs = [codes[h].data_ptr() for h in heads]
+        step = ptrs[1] - ptrs[0] if len(ptrs) > 1 else 0
+        if step % 16 or any(p - ptrs[0] != i * step for i, p in enumerate(ptrs)):
+            return None
+        steps.append(step // 4)
+    return steps[0], steps[1]
+
+
 def _words(x: torch.Tensor) -> torch.Tensor:
     """A uint8 / int8 tensor with unit last stride read as int32 words (last dim / 4), in place (the code tensors'
     offsets from one another are kernel arguments); other layouts are copied first."""
@@ -635,7 +650,8 @@ def _decode(
     for kw, vw, heads in plan.groups:  # (k_buf, v_buf may stand in for empty buffers: nb says how many keys)
         if kernel == "auto" and gluon_takes(q.device, h // hkv, nq, d, kw, vw, t):
             try:
-                _gluon.launch(q, heads, _group_meta(heads, k_codes, v_codes, q.device), k_codes[heads[0]],
+                _gluon.launch(q, heads, _group_meta(heads, k_codes, v_codes, q.device),
+                              _regular_steps(heads, k_codes, v_codes), k_codes[heads[0]],
                               v_codes[heads[0]], k_sint, k_zint, k_bscale, v_sint, v_zint, v_bscale, k_buf,
                               k_buf_scale, v_buf, v_buf_scale, nb, out, workspace, sm_scale, qk_qmax, pv_qmax,
                               num_splits)

@@ -23,6 +23,7 @@ types = dict(Q_ptr="*bf16", KC_ptr="*u8", KS_ptr="*i8", KZ_ptr="*i8", KBS_ptr="*
              sm_scale="fp32")
 stages = int(sys.argv[3]) if len(sys.argv) > 3 else 3
 constexprs = dict(GROUP=group, G_PAD=triton.next_power_of_2(group), QMAX=119, PMAX=119, SPLITS_PAD=splits_pad,
+                  REGULAR=not os.environ.get("META"),
                   STAGES=stages, EXACT=bool(os.environ.get("EXACT")))
 signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
 aligned = [n for n in names if n.endswith("_ptr")] + ["stride_kcb", "stride_vcb"]

@@ -18,7 +18,7 @@ from quantpatch.kernels.turbo_ref import turbo_decode_attention_ref, turbo_decom
 from quantpatch.metrics import rel_l1
 from quantpatch.synthetic import attention_inputs
 from tests.gpu import DEVICE, needs_cuda
-from tests.kernels.test_turbo_triton import SINGLE_SPLIT_REL_L1, SPLIT_NOISE_FACTOR, _cache, _to
+from tests.kernels.test_turbo_triton import SINGLE_SPLIT_REL_L1, SPLIT_NOISE_FACTOR, _cache, _to, _to_cpu
 
 gpu = pytest.mark.gpu
 tdg = pytest.importorskip("quantpatch.kernels.turbo_decode_gluon", reason="triton.experimental.gluon is missing")
@@ -74,6 +74,18 @@ def test_a_gluon_kernel_that_does_not_compile_warns_once_and_triton_serves(monke
     assert len([r for r in caplog.records if "does not compile with Triton" in r.getMessage()]) == 1
     want = tdt.turbo_decode_attention(q, kc, vc, kb, vb, num_splits=2, kernel="triton")
     assert torch.equal(first, want) and torch.equal(second, want)
+
+
+def test_regular_head_layout_is_recognised():
+    """Consecutive heads whose codes are evenly spaced by 16-byte multiples (one tensor per width, as
+    ``turbo_compress_blocks`` stores them) skip the per-head offset table."""
+    base = torch.zeros(8 * 4096, dtype=torch.uint8)
+    views = [base[i * 4096:(i + 1) * 4096] for i in range(8)]
+    assert tdt._regular_steps(tuple(range(8)), views, views) == (1024, 1024)
+    assert tdt._regular_steps((5,), views, views) == (0, 0)
+    assert tdt._regular_steps((0, 2, 4), views, views) is None  # not consecutive
+    uneven = [base[i * 4100:i * 4100 + 16] for i in range(3)]
+    assert tdt._regular_steps((0, 1, 2), uneven, views[:3]) is None  # 4100 bytes apart: not a 16-byte multiple
 
 
 def test_kernel_option_is_checked():
@@ -133,6 +145,33 @@ def test_gpu_gluon_decode_splits_are_as_accurate_as_the_reference(n, splits, k_b
                                        out_dtype=torch.float32).cpu()
     assert torch.equal(out, again)  # the merge runs in split order: deterministic
     assert all(int(ws[-1].abs().sum()) == 0 for ws in tdt._WORKSPACES.values())  # tickets back at zero
+
+
+@gpu
+@needs_cuda
+@needs_sm90
+@pytest.mark.parametrize("splits", [1, 0])
+def test_gpu_gluon_decode_on_the_compression_kernels_layout(splits):
+    """Codes stored as ``turbo_compress_blocks`` stores them (one tensor per width: the regular-head path, no
+    offset table): one split follows the reference, the default splits are as accurate as it."""
+    from quantpatch.kernels.turbo_compress_triton import turbo_compress_blocks
+    from quantpatch.kernels.turbo_ref import turbo_compress_kv_ref
+
+    _, k, v = attention_inputs("outliers", batch=2, heads=8, kv_heads=8, seq_q=1, seq_k=64 * 30 + 9, head_dim=128,
+                               seed=21)
+    kc, kb = turbo_compress_kv_ref(k.cuda(), 4, compress_blocks=turbo_compress_blocks)
+    vc, vb = turbo_compress_kv_ref(v.cuda(), 4, compress_blocks=turbo_compress_blocks)
+    assert tdt._regular_steps(tuple(range(8)), kc.codes, vc.codes) is not None
+    q = attention_inputs("outliers", batch=2, heads=32, kv_heads=8, seq_q=1, head_dim=128, seed=21)[0]
+    (kv, ks), (vv, vs) = turbo_decompress_kv_ref(kc, kb), turbo_decompress_kv_ref(vc, vb)
+    exact = attention_exact(q, (kv * ks).cpu(), (vv * vs).cpu())
+    ref = turbo_decode_attention_ref(q, *(_to_cpu(x) for x in (kc, vc)), k_buffer=_to_cpu(kb), v_buffer=_to_cpu(vb))
+    out = tdt.turbo_decode_attention(q.cuda(), kc, vc, kb, vb, num_splits=splits or None,
+                                     out_dtype=torch.float32).cpu()
+    if splits == 1:
+        assert rel_l1(out, ref) <= SINGLE_SPLIT_REL_L1
+    else:
+        assert rel_l1(out, exact) <= SPLIT_NOISE_FACTOR * rel_l1(ref, exact)
 
 
 @gpu
