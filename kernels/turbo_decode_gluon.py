@@ -711,7 +711,7 @@ def launch(q, heads, meta, steps, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zi
     """One launch over the KV heads ``heads`` (a 4-bit group) of a decode call into ``out (B, H, 1, 128)``.
 
     ``kc`` / ``vc``: the group's first head's codes ``uint8 (B, T·64, 64)`` (``meta``: the heads and their code
-    offsets, ``turbo_decode_triton._group_meta``; ``steps``: ``(K step, V step)`` in int32 words where the heads
+    offsets, ``turbo_decode_triton._group_offsets``; ``steps``: ``(K step, V step)`` in int32 words where the heads
     are consecutive and their codes evenly spaced (16-byte multiples), else None); ``s^int`` / ``z^int`` int8 and
     block scales fp32 of the whole cache; buffers ``int8 (B, Hkv, nb, 128)`` with fp32 scales (any valid tensor
     when ``nb = 0``); ``workspace``: ``workspace(splits) → (m, ℓ, acc, counters)`` for several splits;

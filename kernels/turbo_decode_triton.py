@@ -537,26 +537,27 @@ def decode_unsupported(
     return None
 
 
-def _group_meta(heads: tuple[int, ...], k_codes, v_codes, device) -> torch.Tensor:
-    """int64 ``(3, H_g)``: KV head, int32-word offset of its K codes from the group's first, same for V."""
+def _group_offsets(heads: tuple[int, ...], k_codes, v_codes) -> tuple[int, ...]:
+    """``(KV heads…, int32-word offset of each head's K codes from the group's first…, same for V…)``."""
     k0, v0 = k_codes[heads[0]].data_ptr(), v_codes[heads[0]].data_ptr()
-    values = (*heads, *((k_codes[h].data_ptr() - k0) // 4 for h in heads),
-              *((v_codes[h].data_ptr() - v0) // 4 for h in heads))
-    return _meta_tensor(values, device)
+    return (*heads, *((k_codes[h].data_ptr() - k0) // 4 for h in heads),
+            *((v_codes[h].data_ptr() - v0) // 4 for h in heads))
 
 
-def _regular_steps(heads: tuple[int, ...], k_codes, v_codes) -> tuple[int, int] | None:
-    """``(K step, V step)`` in int32 words where ``heads`` are consecutive and their code tensors evenly spaced by
-    multiples of 16 bytes (``turbo_compress_blocks`` lays a width's heads out so), else None."""
-    if heads != tuple(range(heads[0], heads[0] + len(heads))):
+def _regular_steps(offsets: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(K step, V step)`` in int32 words where the group's heads (:func:`_group_offsets`) are consecutive and their
+    code tensors evenly spaced by multiples of 16 bytes (``turbo_compress_blocks`` lays a width's heads out so),
+    else None."""
+    n = len(offsets) // 3
+    heads, k_offs, v_offs = offsets[:n], offsets[n:2 * n], offsets[2 * n:]
+    if heads != tuple(range(heads[0], heads[0] + n)):
         return None
     steps = []
-    for codes in (k_codes, v_codes):
-        ptrs = [codes[h].data_ptr() for h in heads]
-        step = ptrs[1] - ptrs[0] if len(ptrs) > 1 else 0
-        if step % 16 or any(p - ptrs[0] != i * step for i, p in enumerate(ptrs)):
+    for offs in (k_offs, v_offs):
+        step = offs[1] if n > 1 else 0
+        if step % 4 or any(o != i * step for i, o in enumerate(offs)):
             return None
-        steps.append(step // 4)
+        steps.append(step)
     return steps[0], steps[1]
 
 
@@ -650,8 +651,8 @@ def _decode(
     for kw, vw, heads in plan.groups:  # (k_buf, v_buf may stand in for empty buffers: nb says how many keys)
         if kernel == "auto" and gluon_takes(q.device, h // hkv, nq, d, kw, vw, t):
             try:
-                _gluon.launch(q, heads, _group_meta(heads, k_codes, v_codes, q.device),
-                              _regular_steps(heads, k_codes, v_codes), k_codes[heads[0]],
+                offsets = _group_offsets(heads, k_codes, v_codes)
+                _gluon.launch(q, heads, _meta_tensor(offsets, q.device), _regular_steps(offsets), k_codes[heads[0]],
                               v_codes[heads[0]], k_sint, k_zint, k_bscale, v_sint, v_zint, v_bscale, k_buf,
                               k_buf_scale, v_buf, v_buf_scale, nb, out, workspace, sm_scale, qk_qmax, pv_qmax,
                               num_splits)
@@ -671,7 +672,7 @@ def _decode(
             kc, kc.stride(0), k_sint, k_zint, k_bscale,
             vc, vc.stride(0), v_sint, v_zint, v_bscale,
             k_buf, k_buf_scale, v_buf, v_buf_scale,
-            _group_meta(heads, k_codes, v_codes, q.device),
+            _meta_tensor(_group_offsets(heads, k_codes, v_codes), q.device),
             out, out.stride(0), out.stride(1), out.stride(2),
             m_part, l_part, acc_part, counters,
             nq, t, nb, hkv, len(heads), plan.per_split, plan.splits, sm_scale,

@@ -81,11 +81,14 @@ def test_regular_head_layout_is_recognised():
     ``turbo_compress_blocks`` stores them) skip the per-head offset table."""
     base = torch.zeros(8 * 4096, dtype=torch.uint8)
     views = [base[i * 4096:(i + 1) * 4096] for i in range(8)]
-    assert tdt._regular_steps(tuple(range(8)), views, views) == (1024, 1024)
-    assert tdt._regular_steps((5,), views, views) == (0, 0)
-    assert tdt._regular_steps((0, 2, 4), views, views) is None  # not consecutive
+    def steps(heads, k_codes, v_codes):
+        return tdt._regular_steps(tdt._group_offsets(heads, k_codes, v_codes))
+
+    assert steps(tuple(range(8)), views, views) == (1024, 1024)
+    assert steps((5,), views, views) == (0, 0)
+    assert steps((0, 2, 4), views, views) is None  # not consecutive
     uneven = [base[i * 4100:i * 4100 + 16] for i in range(3)]
-    assert tdt._regular_steps((0, 1, 2), uneven, views[:3]) is None  # 4100 bytes apart: not a 16-byte multiple
+    assert steps((0, 1, 2), uneven, views[:3]) is None  # 4100 bytes apart: not a 16-byte multiple
 
 
 def test_kernel_option_is_checked():
@@ -161,7 +164,7 @@ def test_gpu_gluon_decode_on_the_compression_kernels_layout(splits):
                                seed=21)
     kc, kb = turbo_compress_kv_ref(k.cuda(), 4, compress_blocks=turbo_compress_blocks)
     vc, vb = turbo_compress_kv_ref(v.cuda(), 4, compress_blocks=turbo_compress_blocks)
-    assert tdt._regular_steps(tuple(range(8)), kc.codes, vc.codes) is not None
+    assert tdt._regular_steps(tdt._group_offsets(tuple(range(8)), kc.codes, vc.codes)) is not None
     q = attention_inputs("outliers", batch=2, heads=32, kv_heads=8, seq_q=1, head_dim=128, seed=21)[0]
     (kv, ks), (vv, vs) = turbo_decompress_kv_ref(kc, kb), turbo_decompress_kv_ref(vc, vb)
     exact = attention_exact(q, (kv * ks).cpu(), (vv * vs).cpu())
