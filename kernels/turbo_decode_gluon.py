@@ -41,8 +41,6 @@ groups it takes: ``turbo_decode_triton.gluon_takes``, :func:`group_unsupported`)
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -51,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .attn_qk_int8_pv_fp8_triton import LOG2E, SAS_THRESHOLD
 from .sas_ref import POLY_COEFFS
+from .turbo_decode_triton import default_num_splits as _triton_default_splits  # (defined before it imports this)
 
 # the CTA barrier: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7 on (both a plain bar.sync)
 _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
@@ -68,7 +67,6 @@ PARTS = gl.constexpr(BLOCK.value // PART.value)
 PROGRAMS_PER_SM = 8  # one warp each at ≤ 255 registers: 8 fit an SM
 MAXNREG = None  # register cap of the kernel (None: the compiler's choice)
 STAGES = 2  # blocks in shared memory: the one computed and STAGES − 1 on their way
-MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 64  # the merge reads every split's partial in one program
 MERGE_ROWS = gl.constexpr(32)  # (split, row) partials merged at a time: 128 fp32 a lane
 
@@ -693,16 +691,10 @@ def group_unsupported(group: int, nq: int, d: int, k_bits: int, v_bits: int, n_b
     return None
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def default_num_splits(batch: int, kv_heads: int, n_blocks: int, device: torch.device) -> int:
-    """Splits of the key blocks: ``PROGRAMS_PER_SM`` one-warp programs per SM (one wave), at least
-    ``MIN_BLOCKS_PER_SPLIT`` blocks each, at most ``MAX_SPLITS``."""
-    want = PROGRAMS_PER_SM * _sm_count(device) // max(batch * kv_heads, 1)
-    return max(1, min(want, n_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+    """Splits of the key blocks: the Triton kernel's rule (``turbo_decode_triton.default_num_splits``: one wave, at
+    least 4 blocks a split) with ``PROGRAMS_PER_SM`` one-warp programs per SM, at most ``MAX_SPLITS``."""
+    return min(_triton_default_splits(batch, kv_heads, n_blocks, device, programs_per_sm=PROGRAMS_PER_SM), MAX_SPLITS)
 
 
 def launch(q, heads, meta, steps, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zint, v_bscale, k_buf, k_buf_scale,

@@ -477,12 +477,14 @@ def _meta_tensor(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-def default_num_splits(batch: int, kv_heads: int, n_blocks: int, device: torch.device) -> int:
-    """Splits of the key blocks: at most ``PROGRAMS_PER_SM`` programs per SM (rounded down: at 255 registers and
+def default_num_splits(batch: int, kv_heads: int, n_blocks: int, device: torch.device, *,
+                       programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Splits of the key blocks: at most ``programs_per_sm`` programs per SM (rounded down: at 255 registers and
     2 warps 4 programs fit an SM, so a grid just over a whole number of waves pays a nearly idle extra wave; the
-    H200 measured 0.35 ms at 9 splits against 0.21 ms at 8, B=8 / N=32k), ≥ ``MIN_BLOCKS_PER_SPLIT`` blocks each."""
+    H200 measured 0.35 ms at 9 splits against 0.21 ms at 8, B=8 / N=32k), ≥ ``MIN_BLOCKS_PER_SPLIT`` blocks each.
+    ``programs_per_sm``: the Gluon kernel's own (``turbo_decode_gluon.default_num_splits``)."""
     sms = _sm_count(device) if device.type == "cuda" else 1
-    want = PROGRAMS_PER_SM * sms // max(batch * kv_heads, 1)
+    want = programs_per_sm * sms // max(batch * kv_heads, 1)
     return max(1, min(want, n_blocks // MIN_BLOCKS_PER_SPLIT))
 
 
