@@ -3,15 +3,10 @@ wait sequence, registers, spills, shared memory and ptxas advisories:
 ``python eval/probes/compile_w4a8_gluon.py [GPS] [BM] [SPLIT_K] [FUSED] [QBLOCK] [GPC]`` (defaults 8 16 4 1 4096 2;
 GPS: groups per run, GPC: per chunk)."""
 
-import os
 import re
-import subprocess
 import sys
-import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
+from sm90_binary import compile_sm90, inspect_binary, resources
 
 from quantpatch.kernels.w4a8_gluon import _w4a8_decode_gluon as kernel
 from quantpatch.kernels.w4a8_gluon import run_shape
@@ -23,18 +18,13 @@ bm = int(sys.argv[2]) if len(sys.argv) > 2 else 16
 split = int(sys.argv[3]) if len(sys.argv) > 3 else 4
 fused = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 qblock = int(sys.argv[5]) if len(sys.argv) > 5 else 4096
-names = kernel.arg_names
 types = dict(X_ptr="*bf16", XQ_ptr="*fp8e4nv", XP_ptr="*i16", W_ptr="*u8",
              AS_ptr="*bf16", WS_ptr="*fp8e4nv", B_ptr="*bf16", PTS_ptr="*i32", P_ptr="*fp32", C_ptr="*i32",
              Y_ptr="*bf16")
 constexprs = dict(BM=bm, GPC=gpc, CHUNKS=chunks, SPLIT_K=split, FUSED=fused, QBLOCK=qblock, HAS_BIAS=True)
-signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-aligned = [n for n in names if n.endswith("_ptr")] + ["K", "stride_wn"]
-src = GluonASTSource(fn=kernel, signature=signature,
-                     constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-ptx = compiled.asm["ptx"]
+aligned = [n for n in kernel.arg_names if n.endswith("_ptr")] + ["K", "stride_wn"]
+compiled = compile_sm90(kernel, types, constexprs, aligned, num_warps=4)
+ptx, sass, usage, ptxas = inspect_binary(compiled)
 steps = []
 for line in ptx.splitlines():
     if "wgmma.mma_async" in line:
@@ -47,17 +37,6 @@ for line in ptx.splitlines():
         steps[-1][1] += 1
     else:
         steps.append([step, 1])
-bin_dir = triton.__path__[0] + "/backends/nvidia/bin/"
-tmp = tempfile.mkdtemp()
-cubin, ptx_file = os.path.join(tmp, "w4a8_gluon.cubin"), os.path.join(tmp, "w4a8_gluon.ptx")
-with open(cubin, "wb") as f:
-    f.write(compiled.asm["cubin"])
-with open(ptx_file, "w") as f:
-    f.write(ptx)
-usage = subprocess.run([bin_dir + "cuobjdump", "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
-ptxas = subprocess.run([bin_dir + "ptxas", "-arch=sm_90a", "-v", ptx_file, "-o", os.path.join(tmp, "x.cubin")],
-                       capture_output=True, text=True)
-sass = subprocess.run([bin_dir + "cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
 mem = {op: len(re.findall(op, ptx)) for op in ("ld.shared.v4", "ld.shared.v2", "ld.shared.b", "st.shared",
                                                "ld.global.v4", "ld.global", "prmt", "lop3", "bar.sync")}
 print(f"GPC {gpc} CHUNKS {chunks} BM {bm} SPLIT_K {split} FUSED {fused} QBLOCK {qblock}")
@@ -65,6 +44,5 @@ print("wgmma sequence:", " ".join(f"{s}x{n}" if n > 1 else s for s, n in steps))
 print("PTX op counts:", mem)
 print("SASS: HGMMA", sass.count("HGMMA"), "WARPGROUP.DEPBAR", sass.count("WARPGROUP.DEPBAR"),
       "SHFL", sass.count("SHFL"), "LDS", len(re.findall(r"\bLDS", sass)), "STS", len(re.findall(r"\bSTS", sass)))
-print("registers", re.findall(r"REG:(\d+)", usage), "stack", re.findall(r"STACK:(\d+)", usage),
-      "shared", compiled.metadata.shared)
-print("ptxas:", "\n".join(line for line in ptxas.stderr.splitlines() if "dvisory" in line or "arning" in line) or "-")
+print(resources(compiled, usage))
+print("ptxas:", "\n".join(line for line in ptxas.splitlines() if "dvisory" in line or "arning" in line) or "-")
