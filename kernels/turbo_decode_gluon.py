@@ -15,8 +15,12 @@ AB (keys and channels are the ``mma`` M dimension, the query rows its N = 8), an
 exactly the slots of its ``m16n8k16`` fragments after a relabelling of the reduction index, so a code goes
 shared memory → register → bit trick → ``mma``::
 
-    copies  cp.async brings a block's K and V codes and its s^int / z^int rows to shared memory, STAGES − 1
-            blocks ahead; each block is then read in parts of 16 keys (one mma M tile).
+    copies  cp.async brings a block's V codes with the next block's K codes (and their s^int / z^int rows) to
+            shared memory, STAGES − 1 such groups ahead; each block is then read in parts of 16 keys (one mma M
+            tile).
+    overlap the scores of block t + 1 are computed in block t's iteration: their dots do not wait for block
+            t's softmax, so the scheduler interleaves the two (one basic block: no division's slow path in the
+            loop when several splits run).
     K side  Sᵀ·2⁻²⁴ [16 keys, 8] = X·2⁻²⁴ [16, 128] · (Q̂ ⊙ s^int)ᵀ, the accumulator starting at
             (Q̂ · (z^int ⊙ s^int))·2⁻²⁴ (one dot a block): a thread reads 16 contiguous bytes (32 channels) of its
             two keys; the masked nibbles are fp16 subnormals (code·2⁻²⁴, 16·code·2⁻²⁴ for odd channels, whose
@@ -66,7 +70,7 @@ PART = gl.constexpr(16)  # keys read, unpacked and multiplied at a time: one mma
 PARTS = gl.constexpr(BLOCK.value // PART.value)
 PROGRAMS_PER_SM = 8  # one warp each at ≤ 255 registers: 8 fit an SM
 MAXNREG = None  # register cap of the kernel (None: the compiler's choice)
-STAGES = 2  # blocks in shared memory: the one computed and STAGES − 1 on their way
+STAGES = 2  # copy groups in shared memory: the one computed and STAGES − 1 on their way
 MAX_SPLITS = 64  # the merge reads every split's partial in one program
 MERGE_ROWS = gl.constexpr(32)  # (split, row) partials merged at a time: 128 fp32 a lane
 
@@ -250,13 +254,20 @@ def _softmax(s, m_i, l_i, PAIR: gl.constexpr):
 @gluon.jit
 def _quantize_p(p, PMAX: gl.constexpr, EXACT: gl.constexpr, PAIR: gl.constexpr):
     """``(P̂ parts, s_P)``: ``s_P = max(P̃ over the block) / PMAX`` per row (1 if 0), ``P̂ = min(rne(P̃ / s_P),
-    PMAX)`` with one reciprocal per row, and (``EXACT``) Markstein's correction (the IEEE quotient itself)."""
+    PMAX)`` with one reciprocal per row. ``EXACT``: IEEE quotients (s_P's, the reciprocal's, and Markstein's
+    correction for P̃ / s_P); else s_P = max·RN(1/PMAX) and the fast reciprocal (no division's slow-path branch
+    in the loop, whose basic block the next block's score dots share)."""
     p_max = p[0]
     for i in gl.static_range(1, len(p)):
         p_max = gl.maximum(p_max, p[i])
-    p_scale = gl.div_rn(_pair(gl.max(p_max, 0), PAIR, True), PMAX * 1.0)
-    p_scale = gl.where(p_scale == 0.0, 1.0, p_scale)
-    r = gl.div_rn(gl.full_like(p_scale, 1.0), p_scale)[None, :]
+    p_max = _pair(gl.max(p_max, 0), PAIR, True)
+    if EXACT:
+        p_scale = gl.div_rn(p_max, PMAX * 1.0)
+        p_scale = gl.where(p_scale == 0.0, 1.0, p_scale)
+        r = gl.div_rn(gl.full_like(p_scale, 1.0), p_scale)[None, :]
+    else:
+        p_scale = gl.where(p_max == 0.0, 1.0, p_max * (1.0 / PMAX))
+        r = (1.0 / p_scale)[None, :]  # div.full.f32
     out = ()
     for i in gl.static_range(len(p)):
         q = p[i] * r
@@ -287,10 +298,10 @@ def _turbo_decode_gluon(
     ``z^int`` ``int8 (B, Hkv, T, 128)``, block scales ``(B, Hkv, T)``, buffer ``int8 (B, Hkv, NB, 128)``.
     Partials (several splits): ``m``, ``ℓ`` ``(B·H, NUM_SPLITS)``, acc ``(B·H, NUM_SPLITS, 128)``.
 
-    A block's codes and ``s^int`` / ``z^int`` reach shared memory by ``cp.async`` ``STAGES − 1`` blocks ahead;
-    each block is then read into registers in parts of 16 keys (one mma M tile). ``EXACT`` (one split): every
-    rounding is the reference's; else (each split draws its own P̂ anyway) a score takes one multiply by
-    ``s_Q·s_K·scale``, P̂ = rne(P̃·RN(1/s_P)) and R = (P̂·V̂)·(s_P·s_V)."""
+    A block's codes and ``s^int`` / ``z^int`` reach shared memory by ``cp.async`` ``STAGES − 1`` copy groups
+    ahead; each block is then read into registers in parts of 16 keys (one mma M tile). ``EXACT`` (one split):
+    every rounding is the reference's; else (each split draws its own P̂ anyway) a score takes one multiply by
+    ``s_Q·s_K·scale``, s_P = max·RN(1/PMAX), P̂ = rne(P̃·(1/s_P)) (fast reciprocal) and R = (P̂·V̂)·(s_P·s_V)."""
     mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
     op_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_l, k_width=2)
@@ -324,7 +335,6 @@ def _turbo_decode_gluon(
     smem_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 
     PAIR: gl.constexpr = GROUP <= ROWS // 2
-    TILES: gl.constexpr = PARTS // 2 if PAIR else PARTS  # score tiles a block
     pid_s = gl.program_id(0)
     pid = gl.program_id(1)
     b = pid // HG
@@ -339,7 +349,10 @@ def _turbo_decode_gluon(
         v_off = gl.multiple_of(gl.load(META_ptr + 2 * HG + slot) * 4, 16)
     bh = b * HKV + h
 
-    # the split's blocks, STAGES − 1 of them on their way to shared memory
+    # The split's blocks lo … hi − 1 in copy groups: group g = (K of block g + 1, V of block g) and its s^int /
+    # z^int rows, in shared-memory slot (g − lo + 1) % STAGES. The scores of block t + 1 are computed in the
+    # iteration of block t (its dots independent of block t's softmax, so the two interleave), the prologue
+    # computing block lo's from group lo − 1 (K alone).
     lo = pid_s * BLOCKS_PER_SPLIT
     hi = gl.minimum(lo + BLOCKS_PER_SPLIT, T)
     kc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK, HALF], smem_l)
@@ -354,9 +367,10 @@ def _turbo_decode_gluon(
     sz_ptrs = gl.where(which == 0, KS_ptr, gl.where(which == 1, KZ_ptr, gl.where(which == 2, VS_ptr, VZ_ptr))) \
         + sz_offs
     sz_ptrs = gl.max_contiguous(gl.multiple_of(sz_ptrs, [1, 16]), [1, 16])  # rows of 128 bytes, 16-aligned
-    for i in gl.static_range(STAGES - 1):
-        _copy_block(kc_s.index(i), vc_s.index(i), sz_s.index(i), kc_base, vc_base, code_offs, sz_ptrs,
-                    gl.minimum(lo + i, hi - 1))
+    sz_is_k = which < 2
+    for g in gl.static_range(STAGES):  # groups lo − 1 … lo + STAGES − 2 (the first without V)
+        _copy_group(kc_s.index(g), vc_s.index(g), sz_s.index(g), kc_base, vc_base, code_offs, sz_ptrs, sz_is_k,
+                    gl.minimum(lo + g, hi - 1), gl.minimum(lo + g - 1, hi - 1), WITH_V=g > 0)
 
     # Q̂ per token (absmax / QMAX) as B operands (even / odd channels): column c < GROUP = query head h·GROUP + c.
     # PAIR (GROUP ≤ 4): a second copy in columns 4 + c (one load and quantization for both), so that one score
@@ -364,8 +378,8 @@ def _turbo_decode_gluon(
     # on padding columns.
     col = gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_l))
     q_col = col % (ROWS // 2) if PAIR else col
-    qw_lo, qw_hi, qs_cols = _q_operands(Q_ptr, b, h * GROUP + q_col, q_col < GROUP, stride_qb, stride_qh, q_l, op_b,
-                                        row_l, QMAX)
+    qw_lo, qw_hi, qs = _q_operands(Q_ptr, b, h * GROUP + q_col, q_col < GROUP, stride_qb, stride_qh, q_l, op_b,
+                                   row_l, QMAX)
     if PAIR:  # qw: Q̂ in both column halves (the bias dot), qb / qb2: in the first / second half only
         first = (gl.arange(0, ROWS, layout=gl.SliceLayout(0, op_b)) < ROWS // 2).to(gl.float16)[None, :]
         qb_lo = qw_lo * first  # (a multiply by 0 / 1 keeps the fragment's fp16 pairs packed; a select does not)
@@ -375,91 +389,40 @@ def _turbo_decode_gluon(
     else:
         qb_lo = qw_lo
         qb_hi = qw_hi
-    qs = qs_cols
+        qb2_lo = qw_lo  # (unused)
+        qb2_hi = qw_hi
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_l)
     l_i = gl.zeros([ROWS], gl.float32, row_l)
     acc_lo = gl.zeros([HALF, ROWS], gl.float32, mma_l)
     acc_hi = gl.zeros([HALF, ROWS], gl.float32, mma_l)
-    zero_s = gl.zeros([PART, ROWS], gl.float32, mma_l)
     bs_row = bh * T
-    kbs = gl.load(KBS_ptr + bs_row + lo)
+    kbs = gl.load(KBS_ptr + bs_row + gl.minimum(lo + 1, hi - 1))  # block scales one block ahead of their use
     vbs = gl.load(VBS_ptr + bs_row + lo)
-    for t in range(lo, hi):
-        st = (t - lo) % STAGES
-        kbs_n = gl.load(KBS_ptr + bs_row + gl.minimum(t + 1, hi - 1))  # the next block's scales in flight
-        vbs_n = gl.load(VBS_ptr + bs_row + gl.minimum(t + 1, hi - 1))
-        async_copy.wait_group(STAGES - 2)  # block t has landed (this lane's copies) ...
-        _cta_barrier()  # ... and every lane's; block t - 1's stage is free
-        _copy_block(kc_s.index((st + STAGES - 1) % STAGES), vc_s.index((st + STAGES - 1) % STAGES),
-                    sz_s.index((st + STAGES - 1) % STAGES), kc_base, vc_base, code_offs, sz_ptrs,
-                    gl.minimum(t + STAGES - 1, hi - 1))
-        kc_t = kc_s.index(st)
-        vc_t = vc_s.index(st)
-        sz_t = sz_s.index(st)
-
-        # K side: A = X·2⁻²⁴ (even channels) / 16·X·2⁻²⁴ (odd), B = Q̂ ⊙ s^int (odd: / 16), the accumulator
-        # starting at (Q̂·(z^int ⊙ s^int))·2⁻²⁴ (one dot of Q̂ with z ⊙ s a block): Sᵀ·2⁻²⁴, exact; parts of 16 keys
-        kz_e, kz_o = _byte_pairs(sz_t, 1, ks_l, gl.float16)
-        ks_e, ks_o = _byte_pairs(sz_t, 0, ks_l, gl.float16)
-        bias = mma_v2(_bias_operand(kz_e * ks_e, op_a), qw_lo, zero_s)
-        bias = mma_v2(_bias_operand(kz_o * ks_o, op_a), qw_hi, bias) * (1.0 / 16777216.0)
-        s_lo = _k_slot_vector(ks_e, op_b)[:, None]
-        s_hi = _k_slot_vector(ks_o * 0.0625, op_b)[:, None]
-        b_lo = qb_lo * s_lo
-        b_hi = qb_hi * s_hi
-        qk = (qs_cols * kbs * 16777216.0)[None, :]  # 2²⁴·s_Q·s_K: S·2⁻²⁴·qk = S·(s_Q·s_K), one rounding as S·s_Q·s_K
-        if not EXACT:
-            qk = qk * sm_scale  # one multiply a score, not two
-        s = ()
-        for i in gl.static_range(TILES):
-            if PAIR:
-                s_i = _key_scores(kc_t.slice(2 * i * PART, PART), b_lo, b_hi, bias, k_l, op_a)
-                s_i = _key_scores(kc_t.slice((2 * i + 1) * PART, PART), qb2_lo * s_lo, qb2_hi * s_hi, s_i, k_l, op_a)
-            else:
-                s_i = _key_scores(kc_t.slice(i * PART, PART), b_lo, b_hi, bias, k_l, op_a)
-            s_i = s_i * qk
-            if EXACT:
-                s_i = s_i * sm_scale
-            s = s + (s_i,)
-
-        # softmax of the block, P̂ and its scale
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, PAIR)
-        p, p_scale = _quantize_p(p, PMAX, EXACT, PAIR)
-
-        # V side: A = (X·2⁻²⁴)ᵀ (even channels) / (16·X·2⁻²⁴)ᵀ (odd), B = P̂ᵀ; parts of 16 keys
-        r_lo = gl.zeros([HALF, ROWS], gl.float32, mma_l)
-        r_hi = gl.zeros([HALF, ROWS], gl.float32, mma_l)
-        p_all = p[0]
-        first_half = (gl.arange(0, ROWS, layout=gl.SliceLayout(0, op_b)) < ROWS // 2)[None, :]
-        for i in gl.static_range(TILES):
-            pb = gl.convert_layout(_key_slots(p[i].to(gl.float16)), op_b)  # one conversion a tile
-            if PAIR:  # part 2i's P̂: the tile's first column half (the other half zero), part 2i + 1's: the second
-                r_lo, r_hi = _value_products(vc_t.slice(2 * i * PART, PART), gl.where(first_half, pb, 0.0),
-                                             r_lo, r_hi, v_l, vu_l, op_a)
-                r_lo, r_hi = _value_products(vc_t.slice((2 * i + 1) * PART, PART), gl.where(first_half, 0.0, pb),
-                                             r_lo, r_hi, v_l, vu_l, op_a)
-            else:
-                r_lo, r_hi = _value_products(vc_t.slice(i * PART, PART), pb, r_lo, r_hi, v_l, vu_l, op_a)
-        for i in gl.static_range(1, TILES):
-            p_all += p[i]
-        p_sum = gl.sum(p_all, 0)  # per column: its own keys' ΣP̂
-        # the block's P̂·V̂, exact: (Σ X·P̂·2⁻²⁴ + z^int·2⁻²⁴·ΣP̂)·(s^int·2²⁴) (odd channels: 2⁻²⁰, 2²⁰)
-        vz_e, vz_o = _byte_pairs(sz_t, 3, vs_l, gl.float32)
-        vs_e, vs_o = _byte_pairs(sz_t, 2, vs_l, gl.float32)
-        r_lo = gl.fma(_as_rows(vz_e * (1.0 / 16777216.0), mma_l), p_sum[None, :], r_lo) \
-            * _as_rows(vs_e * 16777216.0, mma_l)
-        r_hi = gl.fma(_as_rows(vz_o * (1.0 / 1048576.0), mma_l), p_sum[None, :], r_hi) \
-            * _as_rows(vs_o * 1048576.0, mma_l)
-        if EXACT:
-            acc_lo = acc_lo * alpha[None, :] + r_lo * p_scale[None, :] * vbs
-            acc_hi = acc_hi * alpha[None, :] + r_hi * p_scale[None, :] * vbs
-        else:
-            f = (p_scale * vbs)[None, :]
-            acc_lo = acc_lo * alpha[None, :] + r_lo * f
-            acc_hi = acc_hi * alpha[None, :] + r_hi * f
+    async_copy.wait_group(STAGES - 1)  # group lo − 1 has landed (this lane's copies) ...
+    _cta_barrier()  # ... and every lane's
+    s = _block_scores(kc_s.index(0), sz_s.index(0), gl.load(KBS_ptr + bs_row + lo), qw_lo, qw_hi, qb_lo, qb_hi,
+                      qb2_lo, qb2_hi, qs, sm_scale, mma_l, op_a, op_b, k_l, ks_l, PAIR, EXACT)
+    for t in range(lo, hi - 1):
+        st = (t - lo + 1) % STAGES
+        kbs_n = gl.load(KBS_ptr + bs_row + gl.minimum(t + 2, hi - 1))
+        vbs_n = gl.load(VBS_ptr + bs_row + t + 1)
+        async_copy.wait_group(STAGES - 2)  # group t has landed (this lane's copies) ...
+        _cta_barrier()  # ... and every lane's; group t − 1's slot is free
+        _copy_group(kc_s.index((st + STAGES - 1) % STAGES), vc_s.index((st + STAGES - 1) % STAGES),
+                    sz_s.index((st + STAGES - 1) % STAGES), kc_base, vc_base, code_offs, sz_ptrs, sz_is_k,
+                    gl.minimum(t + STAGES, hi - 1), gl.minimum(t + STAGES - 1, hi - 1), WITH_V=True)
+        s_next = _block_scores(kc_s.index(st), sz_s.index(st), kbs, qw_lo, qw_hi, qb_lo, qb_hi, qb2_lo, qb2_hi,
+                               qs, sm_scale, mma_l, op_a, op_b, k_l, ks_l, PAIR, EXACT)
+        m_i, l_i, acc_lo, acc_hi = _attend_block(s, vc_s.index(st), sz_s.index(st), vbs, m_i, l_i, acc_lo, acc_hi,
+                                                 mma_l, op_a, op_b, v_l, vu_l, vs_l, PMAX, PAIR, EXACT)
+        s = s_next
         kbs, vbs = kbs_n, vbs_n
-    async_copy.wait_group(0)
+    async_copy.wait_group(0)  # the last block's group (and any clamped copies after it)
+    _cta_barrier()
+    st = (hi - lo) % STAGES
+    m_i, l_i, acc_lo, acc_hi = _attend_block(s, vc_s.index(st), sz_s.index(st), vbs, m_i, l_i, acc_lo, acc_hi,
+                                             mma_l, op_a, op_b, v_l, vu_l, vs_l, PMAX, PAIR, EXACT)
     if PAIR:  # a query row's two column halves summed (m and ℓ are already the row's in both)
         acc_lo = _fold_pairs(acc_lo)
         acc_hi = _fold_pairs(acc_hi)
@@ -514,12 +477,92 @@ def _q_operands(Q_ptr, b, head, ok, stride_qb, stride_qh, q_l: gl.constexpr, op_
 
 
 @gluon.jit
-def _copy_block(kc_dst, vc_dst, sz_dst, kc_base, vc_base, code_offs, sz_ptrs, t):
-    """``cp.async`` of block ``t``'s K and V codes and its four ``s^int`` / ``z^int`` rows; one commit group."""
-    _async_load(kc_dst, kc_base + t * (BLOCK * HALF) + code_offs, cache_modifier=".cg")
-    _async_load(vc_dst, vc_base + t * (BLOCK * HALF) + code_offs, cache_modifier=".cg")
-    _async_load(sz_dst, sz_ptrs + t * (2 * HALF), cache_modifier=".cg")
+def _copy_group(kc_dst, vc_dst, sz_dst, kc_base, vc_base, code_offs, sz_ptrs, sz_is_k, tk, tv, WITH_V: gl.constexpr):
+    """``cp.async`` of a copy group: block ``tk``'s K codes and ``s^int`` / ``z^int`` rows (``sz_is_k``), block
+    ``tv``'s V codes (``WITH_V``) and rows; one commit group."""
+    _async_load(kc_dst, kc_base + tk * (BLOCK * HALF) + code_offs, cache_modifier=".cg")
+    if WITH_V:
+        _async_load(vc_dst, vc_base + tv * (BLOCK * HALF) + code_offs, cache_modifier=".cg")
+    rows = gl.max_contiguous(gl.multiple_of(sz_ptrs + gl.where(sz_is_k, tk, tv) * (2 * HALF), [1, 16]), [1, 16])
+    _async_load(sz_dst, rows, cache_modifier=".cg")
     async_copy.commit_group()
+
+
+@gluon.jit
+def _block_scores(kc_t, sz_t, kbs, qw_lo, qw_hi, qb_lo, qb_hi, qb2_lo, qb2_hi, qs, sm_scale, mma_l: gl.constexpr,
+                  op_a: gl.constexpr, op_b: gl.constexpr, k_l: gl.constexpr, ks_l: gl.constexpr, PAIR: gl.constexpr,
+                  EXACT: gl.constexpr):
+    """A block's scores ``S = Q̂·K̂ᵀ·s_Q·s_K·scale`` as a tuple of tiles ``[16 keys, 8 columns]`` (``PAIR``: two parts
+    a tile, columns 0-3 / 4-7); ``kc_t``: its codes, ``sz_t``: its s^int / z^int rows, ``kbs``: its block scale.
+
+    A = X·2⁻²⁴ (even channels) / 16·X·2⁻²⁴ (odd), B = Q̂ ⊙ s^int (odd: / 16), the accumulator starting at
+    (Q̂·(z^int ⊙ s^int))·2⁻²⁴ (one dot of Q̂ with z ⊙ s a block): Sᵀ·2⁻²⁴, exact; parts of 16 keys."""
+    kz_e, kz_o = _byte_pairs(sz_t, 1, ks_l, gl.float16)
+    ks_e, ks_o = _byte_pairs(sz_t, 0, ks_l, gl.float16)
+    bias = mma_v2(_bias_operand(kz_e * ks_e, op_a), qw_lo, gl.zeros([PART, ROWS], gl.float32, mma_l))
+    bias = mma_v2(_bias_operand(kz_o * ks_o, op_a), qw_hi, bias) * (1.0 / 16777216.0)
+    s_lo = _k_slot_vector(ks_e, op_b)[:, None]
+    s_hi = _k_slot_vector(ks_o * 0.0625, op_b)[:, None]
+    b_lo = qb_lo * s_lo
+    b_hi = qb_hi * s_hi
+    qk = (qs * kbs * 16777216.0)[None, :]  # 2²⁴·s_Q·s_K: S·2⁻²⁴·qk = S·(s_Q·s_K), one rounding as S·s_Q·s_K
+    if not EXACT:
+        qk = qk * sm_scale  # one multiply a score, not two
+    s = ()
+    for i in gl.static_range(PARTS // 2 if PAIR else PARTS):
+        if PAIR:
+            s_i = _key_scores(kc_t.slice(2 * i * PART, PART), b_lo, b_hi, bias, k_l, op_a)
+            s_i = _key_scores(kc_t.slice((2 * i + 1) * PART, PART), qb2_lo * s_lo, qb2_hi * s_hi, s_i, k_l, op_a)
+        else:
+            s_i = _key_scores(kc_t.slice(i * PART, PART), b_lo, b_hi, bias, k_l, op_a)
+        s_i = s_i * qk
+        if EXACT:
+            s_i = s_i * sm_scale
+        s = s + (s_i,)
+    return s
+
+
+@gluon.jit
+def _attend_block(s, vc_t, sz_t, vbs, m_i, l_i, acc_lo, acc_hi, mma_l: gl.constexpr, op_a: gl.constexpr,
+                  op_b: gl.constexpr, v_l: gl.constexpr, vu_l: gl.constexpr, vs_l: gl.constexpr, PMAX: gl.constexpr,
+                  PAIR: gl.constexpr, EXACT: gl.constexpr):
+    """One block's SAS softmax of the scores ``s`` (:func:`_block_scores`), P̂ and its ``P̂·V̂`` (``vc_t``: the V
+    codes, ``sz_t``: the s^int / z^int rows, ``vbs``: the block scale) into the running ``(m, ℓ, acc)``.
+
+    A = (X·2⁻²⁴)ᵀ (even channels) / (16·X·2⁻²⁴)ᵀ (odd), B = P̂ᵀ; parts of 16 keys."""
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, PAIR)
+    p, p_scale = _quantize_p(p, PMAX, EXACT, PAIR)
+    r_lo = gl.zeros([HALF, ROWS], gl.float32, mma_l)
+    r_hi = gl.zeros([HALF, ROWS], gl.float32, mma_l)
+    p_all = p[0]
+    first_half = (gl.arange(0, ROWS, layout=gl.SliceLayout(0, op_b)) < ROWS // 2)[None, :]
+    for i in gl.static_range(len(p)):
+        pb = gl.convert_layout(_key_slots(p[i].to(gl.float16)), op_b)  # one conversion a tile
+        if PAIR:  # part 2i's P̂: the tile's first column half (the other half zero), part 2i + 1's: the second
+            r_lo, r_hi = _value_products(vc_t.slice(2 * i * PART, PART), gl.where(first_half, pb, 0.0),
+                                         r_lo, r_hi, v_l, vu_l, op_a)
+            r_lo, r_hi = _value_products(vc_t.slice((2 * i + 1) * PART, PART), gl.where(first_half, 0.0, pb),
+                                         r_lo, r_hi, v_l, vu_l, op_a)
+        else:
+            r_lo, r_hi = _value_products(vc_t.slice(i * PART, PART), pb, r_lo, r_hi, v_l, vu_l, op_a)
+    for i in gl.static_range(1, len(p)):
+        p_all += p[i]
+    p_sum = gl.sum(p_all, 0)  # per column: its own keys' ΣP̂
+    # the block's P̂·V̂, exact: (Σ X·P̂·2⁻²⁴ + z^int·2⁻²⁴·ΣP̂)·(s^int·2²⁴) (odd channels: 2⁻²⁰, 2²⁰)
+    vz_e, vz_o = _byte_pairs(sz_t, 3, vs_l, gl.float32)
+    vs_e, vs_o = _byte_pairs(sz_t, 2, vs_l, gl.float32)
+    r_lo = gl.fma(_as_rows(vz_e * (1.0 / 16777216.0), mma_l), p_sum[None, :], r_lo) \
+        * _as_rows(vs_e * 16777216.0, mma_l)
+    r_hi = gl.fma(_as_rows(vz_o * (1.0 / 1048576.0), mma_l), p_sum[None, :], r_hi) \
+        * _as_rows(vs_o * 1048576.0, mma_l)
+    if EXACT:
+        acc_lo = acc_lo * alpha[None, :] + r_lo * p_scale[None, :] * vbs
+        acc_hi = acc_hi * alpha[None, :] + r_hi * p_scale[None, :] * vbs
+    else:
+        f = (p_scale * vbs)[None, :]
+        acc_lo = acc_lo * alpha[None, :] + r_lo * f
+        acc_hi = acc_hi * alpha[None, :] + r_hi * f
+    return m_i, l_i, acc_lo, acc_hi
 
 
 @gluon.jit
