@@ -52,6 +52,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .attn_qk_int8_pv_fp8_triton import LOG2E, SAS_THRESHOLD
+from .compiled_launch import relaunch, specialization
 from .sas_ref import POLY_COEFFS
 from .turbo_decode_triton import default_num_splits as _triton_default_splits  # (defined before it imports this)
 
@@ -368,9 +369,9 @@ def _turbo_decode_gluon(
         + sz_offs
     sz_ptrs = gl.max_contiguous(gl.multiple_of(sz_ptrs, [1, 16]), [1, 16])  # rows of 128 bytes, 16-aligned
     sz_is_k = which < 2
-    for g in gl.static_range(STAGES):  # groups lo − 1 … lo + STAGES − 2 (the first without V)
+    for g in gl.static_range(STAGES):  # groups lo − 1 … lo + STAGES − 2 (the first without V: its V rows are lo's)
         _copy_group(kc_s.index(g), vc_s.index(g), sz_s.index(g), kc_base, vc_base, code_offs, sz_ptrs, sz_is_k,
-                    gl.minimum(lo + g, hi - 1), gl.minimum(lo + g - 1, hi - 1), WITH_V=g > 0)
+                    gl.minimum(lo + g, hi - 1), gl.minimum(gl.maximum(lo + g - 1, lo), hi - 1), WITH_V=g > 0)
 
     # Q̂ per token (absmax / QMAX) as B operands (even / odd channels): column c < GROUP = query head h·GROUP + c.
     # PAIR (GROUP ≤ 4): a second copy in columns 4 + c (one load and quantization for both), so that one score
@@ -740,17 +741,26 @@ def default_num_splits(batch: int, kv_heads: int, n_blocks: int, device: torch.d
     return min(_triton_default_splits(batch, kv_heads, n_blocks, device, programs_per_sm=PROGRAMS_PER_SM), MAX_SPLITS)
 
 
+# Launch plans: (device, constexprs, register cap, specialization of the runtime arguments) → the compiled kernel,
+# the one ``JITFunction.run`` picks for that key; later calls go to its launcher directly (:mod:`.compiled_launch`).
+_PLANS: dict[tuple, object] = {}
+_CONSTEXPRS = ("GROUP", "G_PAD", "QMAX", "PMAX", "SPLITS_PAD", "STAGES", "EXACT", "REGULAR")
+
+
 def launch(q, heads, meta, steps, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zint, v_bscale, k_buf, k_buf_scale,
            v_buf, v_buf_scale, nb: int, out, workspace, sm_scale: float, qk_qmax: int, pv_qmax: int,
            num_splits: int) -> None:
     """One launch over the KV heads ``heads`` (a 4-bit group) of a decode call into ``out (B, H, 1, 128)``.
 
-    ``kc`` / ``vc``: the group's first head's codes ``uint8 (B, T·64, 64)`` (``meta``: the heads and their code
-    offsets, ``turbo_decode_triton._group_offsets``; ``steps``: ``(K step, V step)`` in int32 words where the heads
-    are consecutive and their codes evenly spaced (16-byte multiples), else None); ``s^int`` / ``z^int`` int8 and
-    block scales fp32 of the whole cache; buffers ``int8 (B, Hkv, nb, 128)`` with fp32 scales (any valid tensor
-    when ``nb = 0``); ``workspace``: ``workspace(splits) → (m, ℓ, acc, counters)`` for several splits;
-    ``num_splits`` ≤ 0: the default."""
+    ``kc`` / ``vc``: the group's first head's codes ``uint8 (B, T·64, 64)``; ``steps``: ``(K step, V step)`` in
+    int32 words where the heads are consecutive and their codes evenly spaced (16-byte multiples), else None and
+    ``meta`` the heads and their code offsets (``turbo_decode_triton._group_offsets``; not read, and may be None,
+    with ``steps``); ``s^int`` / ``z^int`` int8 and block scales fp32 of the whole cache; buffers
+    ``int8 (B, Hkv, nb, 128)`` with fp32 scales (any valid tensor when ``nb = 0``); ``workspace``:
+    ``workspace(splits) → (m, ℓ, acc, counters)`` for several splits; ``num_splits`` ≤ 0: the default.
+
+    A plan's first launch goes through ``JITFunction.run`` (compiling if needed), later ones straight to the
+    compiled kernel's launcher."""
     b, h, _, d = q.shape
     hkv, t = k_sint.shape[1], k_sint.shape[2]
     group = h // hkv
@@ -758,16 +768,22 @@ def launch(q, heads, meta, steps, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zi
     per_split = triton.cdiv(t, min(max(splits, 1), t, MAX_SPLITS))
     splits = triton.cdiv(t, per_split)
     m_part, l_part, acc_part, counters = workspace(splits) if splits > 1 else (out,) * 4
-    _turbo_decode_gluon[(splits, b * len(heads))](
-        q, q.stride(0), q.stride(1),
-        kc, kc.stride(0), k_sint, k_zint, k_bscale,
-        vc, vc.stride(0), v_sint, v_zint, v_bscale,
-        k_buf, k_buf_scale, v_buf, v_buf_scale, meta,
-        out, out.stride(0), out.stride(1),
-        m_part, l_part, acc_part, counters,
-        t, nb, hkv, len(heads), per_split, splits, sm_scale, heads[0], *(steps or (0, 0)),
-        GROUP=group, G_PAD=triton.next_power_of_2(group), QMAX=qk_qmax, PMAX=pv_qmax,
-        SPLITS_PAD=triton.next_power_of_2(splits), STAGES=STAGES, EXACT=splits == 1, REGULAR=steps is not None,
-        # one split follows the reference's roundings; several draw P̂ per split anyway: FMA contraction allowed
-        num_warps=1, enable_fp_fusion=splits > 1, **({"maxnreg": MAXNREG} if MAXNREG else {}),
-    )
+    args = (q, q.stride(0), q.stride(1),
+            kc, kc.stride(0), k_sint, k_zint, k_bscale,
+            vc, vc.stride(0), v_sint, v_zint, v_bscale,
+            k_buf, k_buf_scale, v_buf, v_buf_scale, q if meta is None else meta,
+            out, out.stride(0), out.stride(1),
+            m_part, l_part, acc_part, counters,
+            t, nb, hkv, len(heads), per_split, splits, sm_scale, heads[0], *(steps or (0, 0)))
+    # one split follows the reference's roundings; several draw P̂ per split anyway: FMA contraction allowed
+    consts = (group, triton.next_power_of_2(group), qk_qmax, pv_qmax, triton.next_power_of_2(splits), STAGES,
+              splits == 1, steps is not None)
+    grid = (splits, b * len(heads), 1)
+    key = (q.device.index, consts, MAXNREG, specialization(args))
+    kernel = _PLANS.get(key)
+    if kernel is not None:
+        relaunch(kernel, grid, torch._C._cuda_getCurrentRawStream(q.device.index), args + consts)
+        return
+    _PLANS[key] = _turbo_decode_gluon[grid[:2]](*args, **dict(zip(_CONSTEXPRS, consts)), num_warps=1,
+                                                 enable_fp_fusion=splits > 1,
+                                                 **({"maxnreg": MAXNREG} if MAXNREG else {}))

@@ -654,7 +654,8 @@ def _decode(
         if kernel == "auto" and gluon_takes(q.device, h // hkv, nq, d, kw, vw, t):
             try:
                 offsets = _group_offsets(heads, k_codes, v_codes)
-                _gluon.launch(q, heads, _meta_tensor(offsets, q.device), _regular_steps(offsets), k_codes[heads[0]],
+                steps = _regular_steps(offsets)
+                _gluon.launch(q, heads, None if steps else _meta_tensor(offsets, q.device), steps, k_codes[heads[0]],
                               v_codes[heads[0]], k_sint, k_zint, k_bscale, v_sint, v_zint, v_bscale, k_buf,
                               k_buf_scale, v_buf, v_buf_scale, nb, out, workspace, sm_scale, qk_qmax, pv_qmax,
                               num_splits)

@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import torch
 import triton
-from triton import knobs
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 
+from .compiled_launch import relaunch
 from .w4a8_ref import GROUP_SIZE
 from .w4a8_triton import (
     _SCRATCH,
@@ -362,10 +362,7 @@ def _launch(x, x_hat, beta, qweight, scales, pts_exp, bias, y, gps: int | None, 
         x, x_pairs = x_hat, x_hat.view(torch.int16)
     args = (x, x_hat, qweight, x_pairs, beta, scales, beta if bias is None else bias, pts_exp,
             _SCRATCH[(skey, "gluon_partials")] if split else y, _SCRATCH[(skey, "gluon_counters")], y, *ints)
-    enter = knobs.runtime.launch_enter_hook
-    meta = None if enter is None else kernel.launch_metadata((grid, 1, 1), skey[1], *args)
-    kernel.run(grid, 1, 1, skey[1], kernel.function, kernel.packed_metadata, meta, enter,
-               knobs.runtime.launch_exit_hook, *args)
+    relaunch(kernel, (grid, 1, 1), skey[1], args)
 
 
 def _first_launch(x, x_hat, beta, qweight, scales, pts_exp, bias, y, gps, gpc, skey) -> tuple:

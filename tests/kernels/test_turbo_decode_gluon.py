@@ -187,3 +187,26 @@ def test_gpu_gluon_decode_bf16_output_is_the_float32_output_rounded():
     out32 = tdt.turbo_decode_attention(q, kc, vc, kb, vb, out_dtype=torch.float32)
     out16 = tdt.turbo_decode_attention(q, kc, vc, kb, vb)
     assert out16.dtype == torch.bfloat16 and torch.equal(out16, out32.to(torch.bfloat16))
+
+
+@gpu
+@needs_cuda
+@needs_sm90
+def test_gpu_gluon_decode_launch_plan_reruns_the_compiled_kernel():
+    """A plan's first call goes through ``JITFunction.run``, later ones to the compiled kernel's launcher: the
+    same call again gives the same bits on the same plan, and caches of other lengths (whose keys reuse a plan
+    or make another, as the heads' code offsets fall) follow the reference."""
+    tdg._PLANS.clear()
+    for n in (64 * 12 + 5, 64 * 33 + 17, 64 * 7):
+        (kc, kb), (vc, vb) = _cache("outliers", b=2, hkv=4, n=n, d=128, k_bits=(4,) * 4, v_bits=(4,) * 4, seed=n)
+        q = attention_inputs("outliers", batch=2, heads=16, kv_heads=4, seq_q=1, head_dim=128, seed=n)[0]
+        ref = turbo_decode_attention_ref(q, kc, vc, k_buffer=kb, v_buffer=vb)
+        (kc, kb), (vc, vb) = _to([(kc, kb), (vc, vb)], "cuda")
+        outs, plans = [], []
+        for _ in range(2):
+            outs.append(tdt.turbo_decode_attention(q.cuda(), kc, vc, kb, vb, num_splits=1,
+                                                   out_dtype=torch.float32).cpu())
+            plans.append(len(tdg._PLANS))
+        assert plans[0] == plans[1] >= 1
+        assert torch.equal(outs[0], outs[1])
+        assert rel_l1(outs[0], ref) <= SINGLE_SPLIT_REL_L1
