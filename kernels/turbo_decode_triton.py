@@ -51,7 +51,7 @@ addressed from the group's first head's tensor by a byte offset (``CompressedKV.
 tensor per head).
 
 On sm_90 the code-width groups of a single-token decode step with 4-bit K and V, D = 128 and ≤ 8 query heads per
-KV head go to the Gluon kernel :mod:`quantpatch.kernels.turbo_decode_gluon` (same numerics; 2.3–2.6× SDPA at B ≥ 8
+KV head go to the Gluon kernel :mod:`quantpatch.kernels.turbo_decode_gluon` (same numerics; 2.4–2.9× SDPA at B ≥ 8
 and N ≥ 16k on an H200, this kernel 1.0–1.1×; :func:`gluon_takes`), the others to this one; ``kernel="triton"``
 sends everything here.
 
