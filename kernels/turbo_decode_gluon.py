@@ -51,10 +51,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .attn_qk_int8_pv_fp8_triton import LOG2E, SAS_THRESHOLD
-from .compiled_launch import relaunch, specialization
+from .compiled_launch import cdiv, next_pow2, relaunch, specialization
 from .sas_ref import POLY_COEFFS
-from .turbo_decode_triton import _next_pow2  # (defined before it imports this)
-from .turbo_decode_triton import default_num_splits as _triton_default_splits
+from .turbo_decode_triton import default_num_splits as _triton_default_splits  # (defined before it imports this)
 
 # the CTA barrier: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7 on (both a plain bar.sync)
 _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
@@ -765,8 +764,8 @@ def launch(q, heads, meta, steps, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zi
     hkv, t = k_sint.shape[1], k_sint.shape[2]
     group = h // hkv
     splits = num_splits if num_splits > 0 else default_num_splits(b, len(heads), t, q.device)
-    per_split = -(-t // min(max(splits, 1), t, MAX_SPLITS))  # (host ints: triton.cdiv is a slow call here)
-    splits = -(-t // per_split)
+    per_split = cdiv(t, min(max(splits, 1), t, MAX_SPLITS))
+    splits = cdiv(t, per_split)
     m_part, l_part, acc_part, counters = workspace(splits) if splits > 1 else (out,) * 4
     args = (q, q.stride(0), q.stride(1),
             kc, kc.stride(0), k_sint, k_zint, k_bscale,
@@ -776,7 +775,7 @@ def launch(q, heads, meta, steps, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zi
             m_part, l_part, acc_part, counters,
             t, nb, hkv, len(heads), per_split, splits, sm_scale, heads[0], *(steps or (0, 0)))
     # one split follows the reference's roundings; several draw P̂ per split anyway: FMA contraction allowed
-    consts = (group, _next_pow2(group), qk_qmax, pv_qmax, _next_pow2(splits), STAGES,
+    consts = (group, next_pow2(group), qk_qmax, pv_qmax, next_pow2(splits), STAGES,
               splits == 1, steps is not None)
     grid = (splits, b * len(heads), 1)
     key = (q.device.index, consts, MAXNREG, specialization(args))

@@ -71,6 +71,7 @@ import triton.language as tl
 from quantpatch.config import AttentionConfig
 
 from .attn_qk_int8_pv_fp8_triton import SAS_THRESHOLD, _sas_exp
+from .compiled_launch import next_pow2
 from .gluon_gate import GluonGate
 from .qk_quant_triton import _rne
 from .turbo_compress_triton import KERNEL_BITS, bit_groups
@@ -451,20 +452,16 @@ def _merge_splits(MP_ptr, LP_ptr, ACC_ptr, row0, row_ok, NUM_SPLITS, HEAD_DIM: t
 # --------------------------------------------------------------------------- launcher
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(x - 1, 0).bit_length()
-
-
 def _row_tile(group: int, nq: int, lanes: int = 1) -> tuple[int, int]:
     """``(G_PAD, NQ_PAD)``: powers of two, ``lanes·G_PAD·NQ_PAD ≥ 16`` (the smallest ``tl.dot`` M)."""
-    nq_pad = _next_pow2(nq)
-    return max(_next_pow2(group), _next_pow2(math.ceil(16 / (lanes * nq_pad)))), nq_pad
+    nq_pad = next_pow2(nq)
+    return max(next_pow2(group), next_pow2(math.ceil(16 / (lanes * nq_pad)))), nq_pad
 
 
 def _lanes(group: int, nq: int, direct: bool) -> int:
     """Key blocks stacked in one 16-row tile (rows of different blocks are different lanes): 1 for the
     one-split path, which follows the reference's sequential loop."""
-    return 1 if direct else max(1, 16 // (_next_pow2(group) * _next_pow2(nq)))
+    return 1 if direct else max(1, 16 // (next_pow2(group) * next_pow2(nq)))
 
 
 @functools.lru_cache(maxsize=8)
@@ -601,7 +598,7 @@ def _plan(group: int, nq: int, t: int, k_bits: tuple[int, ...], v_bits: tuple[in
     splits = math.ceil(t / per_split) if t else 1
     # ≤ 16 splits and ≤ 64 (row, split) pairs at a time: Triton 3.6 fails to compile the [4, 32, 32] reduction
     # at 2 warps (TritonGPUOptimizeThreadLocality, H200 probe)
-    s_chunk = max(2, min(_next_pow2(splits), 16, 64 // (g_pad * nq_pad)))
+    s_chunk = max(2, min(next_pow2(splits), 16, 64 // (g_pad * nq_pad)))
     groups = tuple((kw, vw, tuple(heads)) for (kw, vw), heads in bit_groups(k_bits, v_bits))
     return _Plan(splits, per_split, lanes, g_pad, nq_pad, s_chunk, groups)
 

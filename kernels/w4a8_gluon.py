@@ -35,12 +35,11 @@ the chunk before. Host side: a launch plan per shape
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 
-from .compiled_launch import relaunch
+from .compiled_launch import cdiv, next_pow2, relaunch
 from .w4a8_ref import GROUP_SIZE
 from .w4a8_triton import (
     _SCRATCH,
@@ -370,7 +369,7 @@ def _first_launch(x, x_hat, beta, qweight, scales, pts_exp, bias, y, gps, gpc, s
     m, n = y.shape
     k = qweight.shape[1] * 2
     groups = k // GROUP_SIZE
-    tiles = triton.cdiv(n, BLOCK_N.value)
+    tiles = cdiv(n, BLOCK_N.value)
     sms = torch.cuda.get_device_properties(y.device).multi_processor_count
     if gps is None and gpc is None:
         gps, gpc = default_run(tiles, groups, sms)
@@ -386,7 +385,7 @@ def _first_launch(x, x_hat, beta, qweight, scales, pts_exp, bias, y, gps, gpc, s
         x, x_pairs = x_hat, x_hat.view(torch.int16)
     grid = (m if fused else 0) + tiles * split
     ints = (m, n, k, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-            8 if m <= 8 else 16, gpc, chunks, split, fused, max(1024, triton.next_power_of_2(k)), bias is not None)
+            8 if m <= 8 else 16, gpc, chunks, split, fused, max(1024, next_pow2(k)), bias is not None)
     kernel = _w4a8_decode_gluon[(grid,)](
         x, x_hat, qweight, x_pairs, beta, scales, beta if bias is None else bias, pts_exp, work, counters, y,
         *ints, num_warps=4)

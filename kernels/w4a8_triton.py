@@ -52,6 +52,7 @@ from quantpatch.dispatch import cuda_unsupported
 from quantpatch.fallback import fall_back, note_implementation
 from quantpatch.w4a8_linear import register_w4a8_fast_path
 
+from .compiled_launch import cdiv, next_pow2
 from .gluon_gate import GluonGate
 from .qk_quant_triton import _to_fp8e4m3, interpreting
 from .w4a8_ref import GROUP_SIZE
@@ -117,7 +118,7 @@ def quantize_activation_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     x_hat = torch.empty((m, k), device=x.device, dtype=torch.float8_e4m3fn)
     beta = torch.empty((m,), device=x.device, dtype=torch.bfloat16)
     if m:
-        block_k = min(ACT_BLOCK_K, triton.next_power_of_2(max(k, 16)))
+        block_k = min(ACT_BLOCK_K, next_pow2(max(k, 16)))
         _w4a8_quantize_activation_kernel[(m,)](
             x, x_hat, beta, k, x.stride(0), x_hat.stride(0),
             BLOCK_K=block_k, EMULATE=interpreting(), num_warps=max(1, min(16, block_k // 512)),
@@ -369,9 +370,9 @@ def gemm_config(m: int, n: int, k: int) -> dict:
 
 def decode_split(cfg: dict, n: int, groups: int) -> tuple[int, int]:
     """``(SPLIT_K, groups per run)`` of the decode kernel: runs of ``cfg["gps"]`` groups, at most ``MAX_SPLIT``."""
-    split = max(1, min(MAX_SPLIT, triton.cdiv(groups, cfg["gps"])))
-    gps = triton.cdiv(groups, split)
-    return triton.cdiv(groups, gps), gps
+    split = max(1, min(MAX_SPLIT, cdiv(groups, cfg["gps"])))
+    gps = cdiv(groups, split)
+    return cdiv(groups, gps), gps
 
 
 def _stream_key(device: torch.device) -> tuple:
@@ -416,7 +417,7 @@ def _launch_decode(x, x_hat, beta, qweight, scales, pts_exp, bias, y, cfg: dict)
     device = y.device
     key = _stream_key(device)
     bn = cfg["block_n"]
-    tiles = triton.cdiv(n, bn)
+    tiles = cdiv(n, bn)
     split, gps = decode_split(cfg, n, k // GROUP_SIZE)
     fused = x is not None
     counters = _scratch(key, "counters", COUNTERS + tiles, torch.int32, device)
@@ -433,7 +434,7 @@ def _launch_decode(x, x_hat, beta, qweight, scales, pts_exp, bias, y, cfg: dict)
         x_arg, x_hat, x_pairs, beta, qweight, scales, bias if bias is not None else beta, pts_exp,
         work, counters, y, m, n, k, gps, stride_xm, qweight.stride(0), scales.stride(0), y.stride(0),
         BLOCK_N=bn, GROUP=GROUP_SIZE, SPLIT_K=split, FUSED=fused,
-        SWAP=cfg.get("swap", 0), QBLOCK=min(DECODE_QBLOCK, triton.next_power_of_2(k)),
+        SWAP=cfg.get("swap", 0), QBLOCK=min(DECODE_QBLOCK, next_pow2(k)),
         HAS_BIAS=bias is not None, EMULATE=interpreting(), num_warps=cfg["num_warps"], num_stages=1,
     )
 
@@ -442,7 +443,7 @@ def _launch_tiled(x_hat, beta, qweight, scales, pts_exp, bias, y, cfg: dict) -> 
     m, n = y.shape
     bm, bn = cfg["block_m"], cfg["block_n"]
     swap = cfg.get("swap", 0)
-    _w4a8_gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+    _w4a8_gemm_kernel[(cdiv(n, bn), cdiv(m, bm))](
         x_hat, x_hat.view(torch.int16) if swap else x_hat, beta, qweight, scales,
         bias if bias is not None else beta, pts_exp, y, m, n,
         qweight.shape[1] * 2 // GROUP_SIZE, x_hat.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
