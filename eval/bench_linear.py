@@ -5,11 +5,14 @@ Llama-3-8B projection shapes (K → N: 4096 → 4096, 4096 → 14336, 14336 → 
 
 * ``w4a8 e2e``: ``W4A8Linear(x)`` from bf16, i.e. one ``quantpatch::w4a8_linear`` op: the module's CUDA
   path (M ≤ 16: one launch, the quantization fused into the decode GEMM — the Gluon kernel on sm_90, else the
-  Triton one; larger M: the activation-quantization kernel then the tiled GEMM; on the CPU, the PyTorch
-  reference); ``triton e2e`` (M ≤ 16 where the layer runs the Gluon kernel): the Triton decode path instead;
+  Triton one; larger M: the activation-quantization kernel then the GEMM — the Gluon prefill kernel on sm_90,
+  else the Triton tiled one; on the CPU, the PyTorch reference); ``triton e2e`` (where the layer runs a Gluon
+  kernel): the Triton path instead;
 * ``w4a8 gemm``: the GEMM of that path alone on pre-quantized activations
-  (:func:`~quantpatch.kernels.w4a8_gluon.w4a8_gemm_gluon` where the layer runs the Gluon kernel, else
-  :func:`~quantpatch.kernels.w4a8_triton.w4a8_gemm`); ``w4a8 quant``: the activation quantization alone;
+  (:func:`~quantpatch.kernels.w4a8_gluon.w4a8_gemm_gluon` /
+  :func:`~quantpatch.kernels.w4a8_prefill_gluon.w4a8_gemm_prefill_gluon` where the layer runs a Gluon kernel,
+  else :func:`~quantpatch.kernels.w4a8_triton.w4a8_gemm`); ``w4a8 quant``: the activation quantization alone
+  (in fragment order for the prefill kernel);
 * ``bf16``: ``torch.nn.functional.linear``;
 * ``fp8-tensor`` / ``fp8-rowwise``: ``torch._scaled_mm`` on pre-quantized FP8 e4m3 operands with
   per-tensor scales / per-token × per-channel fp32 scales (GEMM only: the quantization of x is
@@ -159,16 +162,19 @@ def speed_rows(args) -> list[dict]:
             timed(f"fp8-{kind}", lambda i, kind=kind: layer.scaled_mm(kind, *fp8[i][kind]))
         timed("w4a8 e2e", lambda i: layer.w4a8(xs[i]))
         if kernels:
-            quant = [wt.quantize_activation_fp8(x) for x in xs]
             args_w = layer.w4a8_args()
             gluon = wt.uses_gluon(m, n, k, args.device)
-            if gluon:
+            prefill = gluon and wt.gemm_config(m, n, k)["kernel"] != "decode"  # x̂ in fragment order
+            quant = [wt.quantize_activation_fp8(x, fragment_order=prefill) for x in xs]
+            if prefill:
+                from quantpatch.kernels.w4a8_prefill_gluon import w4a8_gemm_prefill_gluon as gemm
+            elif gluon:
                 from quantpatch.kernels.w4a8_gluon import w4a8_gemm_gluon as gemm
             else:
                 gemm = wt.w4a8_gemm
             timed("w4a8 gemm", lambda i: gemm(*quant[i], *args_w, torch.bfloat16))
-            timed("w4a8 quant", lambda i: wt.quantize_activation_fp8(xs[i]))
-            if gluon:  # the Triton decode path on the same inputs
+            timed("w4a8 quant", lambda i: wt.quantize_activation_fp8(xs[i], fragment_order=prefill))
+            if gluon:  # the Triton decode or tiled path on the same inputs
                 cfg = wt.gemm_config(m, n, k)
                 timed("triton e2e", lambda i: wt.w4a8_linear_2d(xs[i], *args_w, config=cfg))
         base = {(r["impl"], r["mode"]): r["ms"] for r in shape_rows if r["impl"] in BASELINES}

@@ -24,8 +24,11 @@ with ``register_fake``; launched on the current stream), reproducing :mod:`quant
   kernel, then FP8 tensor-core tiles over all of K. INT4 → fp16 by bit tricks (:func:`_int4_nibbles_fp16`).
   ``n`` (``pts_exp``) is read from device memory, so a forward never syncs the host.
 * on sm_90, M ≤ 16: the Gluon decode kernel (:mod:`quantpatch.kernels.w4a8_gluon`, the quantization fused in
-  the same way, same numerics) instead of :func:`_w4a8_decode_kernel`, where ``triton.experimental.gluon``
-  imports (:data:`GLUON` says why not, once per device, in the log).
+  the same way, same numerics) instead of :func:`_w4a8_decode_kernel`; M > 16: the activation kernel writing x̂
+  in fragment order, then the Gluon prefill GEMM (:mod:`quantpatch.kernels.w4a8_prefill_gluon`: FP8 wgmma, the
+  INT4 weights as its register operand, x̂ by TMA; the tiled kernel's numerics) instead of
+  :func:`_w4a8_gemm_kernel`; where ``triton.experimental.gluon`` imports (:data:`GLUON`, :data:`PREFILL_GLUON`
+  say why not, once per device, in the log).
 
 Configurations come from one fixed table (:func:`gemm_config`), not a run-time autotuner, so a
 given shape always runs the same program.
@@ -72,8 +75,20 @@ def _bf16_rne(x):
 
 
 @triton.jit
-def _quantize_row(x_row, q_row, s_ptr, K, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
-    """One token: ``β = bf16(max|x| / 448)`` (1 if 0), ``x̂ = e4m3(x / β)`` (saturating, RNE).
+def _store_x_hat(q_ptr, offs, xq, mask, FRAGMENT: tl.constexpr):
+    """``xq`` (channels ``offs``, a block of whole 128-groups where FRAGMENT) stored in channel order, or with each
+    group in fragment order (:func:`fragment_slots`): channel ``32q + 8s + 2j + h`` at ``32s + 16h + 4q + j``,
+    reordered in registers so the stores stay contiguous."""
+    if FRAGMENT:
+        n: tl.constexpr = xq.shape[0]
+        xq = tl.reshape(tl.permute(tl.reshape(xq, [n // 128, 4, 4, 4, 2]), (0, 2, 4, 1, 3)), [n])
+    tl.store(q_ptr + offs, xq, mask=mask)
+
+
+@triton.jit
+def _quantize_row(x_row, q_row, s_ptr, K, BLOCK_K: tl.constexpr, FRAGMENT: tl.constexpr, EMULATE: tl.constexpr):
+    """One token: ``β = bf16(max|x| / 448)`` (1 if 0), ``x̂ = e4m3(x / β)`` (saturating, RNE), stored in channel
+    order or, ``FRAGMENT``, in fragment order (:func:`_store_x_hat`).
 
     A row of ``K ≤ BLOCK_K`` is loaded once and quantized from registers; a longer one in two passes.
     """
@@ -86,11 +101,11 @@ def _quantize_row(x_row, q_row, s_ptr, K, BLOCK_K: tl.constexpr, EMULATE: tl.con
     beta = tl.where(beta == 0.0, 1.0, beta)  # symmetric_scale: an all-zero token gets 1
     beta = _bf16_rne(beta)
     beta = tl.where(beta == 0.0, 1.0, beta)  # bf16 underflow (absmax < ~1e-36)
-    tl.store(q_row + offs, _to_fp8e4m3(tl.math.div_rn(x, beta), EMULATE), mask=offs < K)
+    _store_x_hat(q_row, offs, _to_fp8e4m3(tl.math.div_rn(x, beta), EMULATE), offs < K, FRAGMENT)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         mask = k0 + offs < K
         x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(q_row + k0 + offs, _to_fp8e4m3(tl.math.div_rn(x, beta), EMULATE), mask=mask)
+        _store_x_hat(q_row + k0, offs, _to_fp8e4m3(tl.math.div_rn(x, beta), EMULATE), mask, FRAGMENT)
     tl.store(s_ptr, beta.to(tl.bfloat16))  # exact: beta is on the bf16 grid
 
 
@@ -98,15 +113,20 @@ def _quantize_row(x_row, q_row, s_ptr, K, BLOCK_K: tl.constexpr, EMULATE: tl.con
 def _w4a8_quantize_activation_kernel(
     X_ptr, XQ_ptr, S_ptr,
     K, stride_xm, stride_qm,
-    BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
+    BLOCK_K: tl.constexpr, FRAGMENT: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """Token ``m = program_id``: :func:`_quantize_row`."""
     m = tl.program_id(0).to(tl.int64)
-    _quantize_row(X_ptr + m * stride_xm, XQ_ptr + m * stride_qm, S_ptr + m, K, BLOCK_K, EMULATE)
+    _quantize_row(X_ptr + m * stride_xm, XQ_ptr + m * stride_qm, S_ptr + m, K, BLOCK_K, FRAGMENT, EMULATE)
 
 
-def quantize_activation_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation_fp8(x: torch.Tensor, *, fragment_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token FP8 quantization of ``x (M, K)`` (fp16/bf16/fp32, last dim contiguous).
+
+    Args:
+        x: the activations.
+        fragment_order: store each 128-group's channels in fragment order (:func:`to_fragment_order`: what the
+            Gluon prefill GEMM reads); K must then be a multiple of 128.
 
     Returns:
         ``x̂ float8_e4m3fn (M, K)`` and ``β bfloat16 (M,)`` with ``x ≈ β x̂``; the numerics of
@@ -115,15 +135,36 @@ def quantize_activation_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be 2-D (M, K) with a contiguous last dim, got shape {tuple(x.shape)}")
     m, k = x.shape
+    if fragment_order and k % GROUP_SIZE:
+        raise ValueError(f"fragment order needs K a multiple of {GROUP_SIZE}, got {k}")
     x_hat = torch.empty((m, k), device=x.device, dtype=torch.float8_e4m3fn)
     beta = torch.empty((m,), device=x.device, dtype=torch.bfloat16)
     if m:
-        block_k = min(ACT_BLOCK_K, next_pow2(max(k, 16)))
+        block_k = min(ACT_BLOCK_K, next_pow2(max(k, GROUP_SIZE if fragment_order else 16)))
         _w4a8_quantize_activation_kernel[(m,)](
-            x, x_hat, beta, k, x.stride(0), x_hat.stride(0),
-            BLOCK_K=block_k, EMULATE=interpreting(), num_warps=max(1, min(16, block_k // 512)),
+            x, x_hat, beta, k, x.stride(0), x_hat.stride(0), BLOCK_K=block_k, FRAGMENT=fragment_order,
+            EMULATE=interpreting(), num_warps=max(1, min(16, block_k // 512)),
         )
     return x_hat, beta
+
+
+def fragment_slots() -> torch.Tensor:
+    """``int64 (128,)``: the input channel each slot of a 128-group holds in fragment order.
+
+    Fragment order puts channel ``c = 32q + 8s + 2j + h`` of a group at slot ``32s + 16h + 4q + j``: the
+    channels whose INT4 nibbles sit in packed bytes ``16q … 16q + 15`` (one 16-byte load of a thread of quad
+    lane ``q``) land where wgmma's 8-bit A fragment wants them (k32 step ``s``: low nibbles at ``4q + j``, high
+    nibbles at ``16 + 4q + j``), so the weights go from one load to the tensor core with no data movement.
+    """
+    slot = torch.arange(GROUP_SIZE)
+    s, h, q, j = slot >> 5, (slot >> 4) & 1, (slot >> 2) & 3, slot & 3
+    return 32 * q + 8 * s + 2 * j + h
+
+
+def to_fragment_order(t: torch.Tensor) -> torch.Tensor:
+    """``t (..., K)`` (K a multiple of 128), each 128-group's channels in fragment order (:func:`fragment_slots`)."""
+    groups = t.shape[-1] // GROUP_SIZE
+    return t.reshape(*t.shape[:-1], groups, GROUP_SIZE)[..., fragment_slots().to(t.device)].reshape(t.shape)
 
 
 # --------------------------------------------------------------------------- GEMM
@@ -315,7 +356,8 @@ def _w4a8_decode_kernel(
     pid = tl.program_id(0)
     if FUSED:
         if pid < M:
-            _quantize_row(X_ptr + pid.to(tl.int64) * stride_xm, XQ_ptr + pid * K, AS_ptr + pid, K, QBLOCK, EMULATE)
+            _quantize_row(X_ptr + pid.to(tl.int64) * stride_xm, XQ_ptr + pid * K, AS_ptr + pid, K, QBLOCK, False,
+                          EMULATE)
             tl.debug_barrier()  # every thread's x̂ is written before the flag (release) counts this token
             tl.atomic_add(C_ptr, 1, sem="release", scope="gpu")
         else:
@@ -508,17 +550,20 @@ def w4a8_linear_2d(
 ) -> torch.Tensor:
     """The whole layer on ``x (M, K)`` (last dim contiguous) → ``y (M, N)`` in ``x``'s dtype.
 
-    :func:`uses_gluon` (M ≤ 16 on sm_90, no ``config``): the Gluon decode kernel (quantization fused where
-    K ≤ ``DECODE_QBLOCK``). Else M ≤ 16 and K ≤ ``DECODE_QBLOCK``: one launch (quantization fused into the
-    Triton decode GEMM); otherwise
+    :func:`uses_gluon` (sm_90, no ``config``): for M ≤ 16 the Gluon decode kernel (quantization fused where
+    K ≤ ``DECODE_QBLOCK``), above the quantization (fragment order) and the Gluon prefill GEMM. Else M ≤ 16 and
+    K ≤ ``DECODE_QBLOCK``: one launch (quantization fused into the Triton decode GEMM); otherwise
     :func:`quantize_activation_fp8`, then the decode or tiled GEMM.
     """
     m, k = x.shape
-    if config is None and uses_gluon(m, qweight.shape[0], k, x.device):
+    n = qweight.shape[0]
+    if config is None and uses_gluon(m, n, k, x.device):
         try:
-            return _gluon.w4a8_linear_gluon(x, qweight, scales, pts_exp, bias)
+            if gemm_config(m, n, k)["kernel"] == "decode":
+                return _gluon.w4a8_linear_gluon(x, qweight, scales, pts_exp, bias)
+            return _prefill.w4a8_linear_prefill_gluon(x, qweight, scales, pts_exp, bias)
         except triton.CompilationError as err:  # a Triton whose Gluon API differs: warn once, Triton serves
-            GLUON.close(x.device, err)
+            _gluon_gate(m, n, k).close(x.device, err)
     _check_operands(m, k, qweight, scales)
     cfg = gemm_config(m, qweight.shape[0], k) if config is None else config
     y = torch.empty((m, qweight.shape[0]), device=x.device, dtype=x.dtype)
@@ -573,10 +618,17 @@ def w4a8_linear(
 # --------------------------------------------------------------------------- the Gluon decode kernel (sm_90)
 
 
+def _gluon_gate(m: int, n: int, k: int) -> GluonGate:
+    """The gate of the Gluon kernel for ``M × K → N``: the decode kernel's where the table picks the decode kernel
+    (M ≤ 16), the prefill kernel's above."""
+    return GLUON if gemm_config(m, n, k)["kernel"] == "decode" else PREFILL_GLUON
+
+
 def uses_gluon(m: int, n: int, k: int, device: torch.device) -> bool:
-    """Whether :func:`w4a8_linear_2d` runs the Gluon decode kernel for ``M × K → N`` on ``device``: where the table
-    picks the decode kernel (M ≤ 16) and :data:`GLUON` gives no reason."""
-    return gemm_config(m, n, k)["kernel"] == "decode" and GLUON.unsupported(device) is None
+    """Whether :func:`w4a8_linear_2d` runs a Gluon kernel for ``M × K → N`` on ``device``: the decode kernel for
+    M ≤ 16, the prefill kernel above, where that kernel's gate (:data:`GLUON`, :data:`PREFILL_GLUON`) gives no
+    reason."""
+    return _gluon_gate(m, n, k).unsupported(device) is None
 
 
 # --------------------------------------------------------------------------- W4A8Linear fast path
@@ -632,11 +684,13 @@ def _run(x: torch.Tensor, module) -> torch.Tensor:
 
 register_w4a8_fast_path("triton", _accepts, _run)
 
-# last: the Gluon module imports this one's helpers (and needs Triton 3.6's triton.experimental.gluon)
+# last: the Gluon modules import this one's helpers (and need Triton 3.6's triton.experimental.gluon)
 try:
     from . import w4a8_gluon as _gluon
+    from . import w4a8_prefill_gluon as _prefill
 
     _GLUON_IMPORT_ERROR = None
 except ImportError as _err:
-    _gluon, _GLUON_IMPORT_ERROR = None, str(_err)
+    _gluon, _prefill, _GLUON_IMPORT_ERROR = None, None, str(_err)
 GLUON = GluonGate(f"W4A8 decode (M ≤ {DECODE_BLOCK_M})", "the Triton decode kernel", _GLUON_IMPORT_ERROR)
+PREFILL_GLUON = GluonGate(f"W4A8 prefill (M > {DECODE_BLOCK_M})", "the Triton tiled kernel", _GLUON_IMPORT_ERROR)

@@ -342,8 +342,8 @@ def test_gluon_unsupported_asks_a_device_once_and_logs_why(monkeypatch, caplog):
 
 def test_module_sends_up_to_16_tokens_to_the_gluon_kernel_where_it_serves(kernels_on_this_device, monkeypatch):
     """``W4A8Linear`` → the fast path → :func:`w4a8_linear_2d` (the custom op's body): M ≤ 16 tokens to
-    ``w4a8_gluon.w4a8_linear_gluon`` (2-D, recorded as "gluon"), 17 to the Triton tiled path. Gluon has no
-    interpreter: its launcher is replaced by the Triton decode path here."""
+    ``w4a8_gluon.w4a8_linear_gluon`` (2-D, recorded as "gluon"), 17 to the Triton tiled path (the prefill
+    kernel's gate closed here). Gluon has no interpreter: its launcher is replaced by the Triton decode path."""
     calls = []
 
     def gluon_layer(x, qweight, scales, pts_exp, bias):
@@ -351,6 +351,7 @@ def test_module_sends_up_to_16_tokens_to_the_gluon_kernel_where_it_serves(kernel
         return wt.w4a8_linear_2d(x, qweight, scales, pts_exp, bias, config=wt.gemm_config(16, 67, 256))
 
     monkeypatch.setattr(wt.GLUON, "unsupported", lambda device: None)
+    monkeypatch.setattr(wt.PREFILL_GLUON, "unsupported", lambda device: "off in this test")
     monkeypatch.setattr(wt, "_gluon", SimpleNamespace(w4a8_linear_gluon=gluon_layer))
     mod = _module(256, 67, seed=70)
     for shape, impl in (((2, 8, 256), "gluon"), ((17, 256), "triton")):
@@ -364,6 +365,37 @@ def test_module_sends_up_to_16_tokens_to_the_gluon_kernel_where_it_serves(kernel
         assert torch.equal(y.reshape(-1, 67), wt.w4a8_linear_2d(x2, mod.qweight, mod.scales, mod.pts_exp, mod.bias,
                                                                  config=cfg))
     assert calls == [(16, 256)]
+
+
+def test_module_sends_more_than_16_tokens_to_the_gluon_prefill_kernel_where_it_serves(kernels_on_this_device,
+                                                                                       monkeypatch, caplog):
+    """Above 16 tokens, ``w4a8_prefill_gluon.w4a8_linear_prefill_gluon`` (recorded as "gluon") where its gate
+    opens; one that does not compile closes the gate with one warning and the Triton tiled kernel serves (the
+    launcher is replaced here: Gluon has no interpreter)."""
+    import triton
+
+    calls = []
+
+    def prefill_layer(x, qweight, scales, pts_exp, bias):
+        calls.append(tuple(x.shape))
+        if len(calls) > 1:
+            raise triton.CompilationError("def kernel(): ...", None, "no attribute 'async_load'")
+        return wt.w4a8_linear_2d(x, qweight, scales, pts_exp, bias, config=wt.gemm_config(300, 67, 256))
+
+    monkeypatch.setattr(wt.PREFILL_GLUON, "reasons", {torch.device(DEVICE): None})  # as on an sm_90 device
+    monkeypatch.setattr(wt, "_prefill", SimpleNamespace(w4a8_linear_prefill_gluon=prefill_layer))
+    assert wt.uses_gluon(17, 67, 256, torch.device(DEVICE)) and wt.uses_gluon(4096, 67, 256, torch.device(DEVICE))
+    mod = _module(256, 67, seed=74)
+    x = _randn(3, 100, 256, seed=75).to(torch.bfloat16).to(DEVICE)
+    want = wt.w4a8_linear_2d(x.reshape(-1, 256), mod.qweight, mod.scales, mod.pts_exp, mod.bias,
+                             config=wt.gemm_config(300, 67, 256))
+    for impl in ("gluon", "triton", "triton"):
+        site = SiteRecord("layer", "linear", "w4a8")
+        with caplog.at_level(logging.WARNING, logger="quantpatch"), running_site(site):
+            y = mod(x)
+        assert site.implementations == {impl} and torch.equal(y.reshape(-1, 67), want)
+    assert calls == [(300, 256), (300, 256)]
+    assert len([r for r in caplog.records if "W4A8 prefill" in r.getMessage()]) == 1
 
 
 def test_gluon_kernel_that_does_not_compile_warns_once_and_triton_serves(kernels_on_this_device, monkeypatch,

@@ -1,0 +1,251 @@
+"""W4A8 prefill GEMM (M > 16 tokens) in Gluon (Triton 3.6+, sm_90): FP8 wgmma, the INT4 weights as its register
+operand, x̂ streamed by TMA.
+
+Numerics: those of :func:`~quantpatch.kernels.w4a8_triton.w4a8_gemm` (the reference's ``group`` operand): per
+128-group ``g`` one FP8 tensor-core product into a fresh fp32 accumulator (Hopper's FP8 MMA accumulates in a
+narrower register within the group; the tests' bound), times the group's e4m3 scale σ_g, added to an fp32
+accumulator in group order, then ``(acc ⊙ β) · 2⁻ⁿ + bias``. The weight operand is ``ŵ · 2⁻⁹`` (below) and σ is
+taken as ``σ · 2⁹``: powers of two, so every product and partial is that of ``ŵ`` and ``σ`` exactly.
+
+Design (swap AB, ``yᵀ = ŵ x̂ᵀ``; 8 warps, two warpgroups of 64 output channels each, ``BT`` tokens)::
+
+    x̂ in fragment order ([M, K] e4m3, :func:`~quantpatch.kernels.w4a8_triton.fragment_slots`)
+    TMA  [BT, 128] tiles of x̂ into a ring of RING · SYNC shared buffers (one mbarrier each)
+    per group g, each warpgroup:
+      wgmma         m64nBTk32 × 4 from group g's operand registers into a fresh accumulator, async
+      INT4 → e4m3   group g + 1's words (loaded a group earlier) in registers (prmt/lop3: two's complement
+                    nibble v → the e4m3 bits of v · 2⁻⁹, a subnormal or 2⁻⁶: sign | |v|), already wgmma's A
+                    fragment (fragment order: no data movement); group g + PREFETCH's words requested
+                    (ld.global.v4, 16 bytes of rows r and r + 8 a thread)
+      wait          acc += part · σ_g
+    every SYNC groups: bar.sync (both warpgroups are past those groups' buffers), then their refills
+
+Each warpgroup waits for its own product before promoting it; the other warpgroup's product keeps the tensor core
+busy meanwhile (H200: deeper rings, meetings every 2 or 4 groups and a weight prefetch of 3 groups were not faster,
+eval/results/bench_linear/h200/NOTES.md, version 10; a second in-flight accumulator per warpgroup needs more than
+255 registers at BT = 128 and spills).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .compiled_launch import cdiv
+from .w4a8_gluon import _cta_barrier, _epilogue
+from .w4a8_ref import GROUP_SIZE
+from .w4a8_triton import _check_operands, quantize_activation_fp8
+
+# the TMA load: tma.async_copy_global_to_shared in Triton 3.6, tma.async_load from 3.7 on
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+BLOCK_N = gl.constexpr(128)  # output channels per program: two warpgroups' wgmma M
+GROUP = gl.constexpr(GROUP_SIZE)  # input channels per scale: one x̂ tile's width
+HALF = gl.constexpr(GROUP_SIZE // 2)  # bytes of one group of one output channel
+SIGMA_SHIFT = gl.constexpr(512.0)  # 2⁹: the operand is ŵ · 2⁻⁹
+DEFAULT_BT = 128  # tokens per program (wgmma N)
+DEFAULT_SYNC = 1  # groups between the warpgroups' meetings
+DEFAULT_RING = 2  # the x̂ ring holds RING · SYNC groups
+DEFAULT_PREFETCH = 2  # a group's weights are requested this many groups ahead
+
+# Two's complement INT4 → e4m3 bits of v · 2⁻⁹. In: a word of 4 packed bytes ($2). Out: their low nibbles ($0)
+# and high nibbles ($1), a byte each. v ≥ 0: the byte v (subnormal v · 2⁻⁹); v < 0: 0x80 | (16 − n) = 0x90 − n
+# (sign, |v| · 2⁻⁹; |v| = 8 is 2⁻⁶, exponent 1). prmt 0xBA98 spreads each byte's sign bit over the byte (the
+# mask), lop3 0xD8 picks (mask ? b : a).
+_UNPACK_ASM = gl.constexpr("""{
+.reg .b32 xl, xh, nl, nh, ml, mh, t;
+and.b32 xl, $2, 0x0F0F0F0F;
+shr.u32 t, $2, 4;
+and.b32 xh, t, 0x0F0F0F0F;
+shl.b32 t, $2, 4;
+prmt.b32 ml, t, 0, 0xBA98;
+prmt.b32 mh, $2, 0, 0xBA98;
+sub.u32 nl, 0x90909090, xl;
+sub.u32 nh, 0x90909090, xh;
+lop3.b32 $0, xl, nl, ml, 0xD8;
+lop3.b32 $1, xh, nh, mh, 0xD8;
+}""")
+
+
+@gluon.jit
+def _unpack(wb):
+    """Packed words ``int32 [128, 16]`` → ``(low, high)`` nibbles as e4m3 bits of ``v · 2⁻⁹``, 4 a word."""
+    return gl.inline_asm_elementwise(_UNPACK_ASM, "=r,=r,r", [wb], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _word_bytes(w):
+    """``int32 [R, C]`` → ``int8 [R, 4C]``, byte ``i`` of word ``c`` at ``4c + i`` (register renaming)."""
+    t = gl.join(gl.join(w.to(gl.int8), (w >> 16).to(gl.int8)), gl.join((w >> 8).to(gl.int8), (w >> 24).to(gl.int8)))
+    return gl.reshape(t, [w.shape[0], 4 * w.shape[1]])
+
+
+@gluon.jit
+def _weight_operand(lo, hi, op_l: gl.constexpr):
+    """The unpacked words of a group → the e4m3 A operand ``[128, 128]`` in fragment order: byte ``16q + 4s + j``
+    of a row holds slots ``32s + 4q + j`` (low nibble) and ``32s + 16 + 4q + j`` (high nibble)."""
+    t = gl.join(_word_bytes(lo), _word_bytes(hi))  # [128, 64, 2]
+    t = gl.permute(gl.reshape(t, [BLOCK_N, 4, 4, 4, 2]), (0, 2, 4, 1, 3))  # (q, s, j, h) → (s, h, q, j)
+    t = gl.reshape(t, [BLOCK_N, GROUP]).to(gl.float8e4nv, bitcast=True)
+    return gl.convert_layout(t, op_l)
+
+
+@gluon.jit
+def _group(x_s, ready, w_ptrs, w_ok, s_ptrs, s_ok, zero, acc, lo, hi, wbs, g, groups,
+           op_l: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr):
+    """Group ``g``: its product (operand ``lo, hi``, x̂ buffer ``g mod STAGES``) into a fresh accumulator, async;
+    meanwhile group ``g + 1``'s words ``wbs[0]`` unpacked and group ``g + PREFETCH``'s requested (``wbs``: the
+    words of groups ``g + 1 … g + PREFETCH − 1``); then ``acc += part · σ_g``. Returns ``(acc, lo, hi of g + 1,
+    words of g + 2 … g + PREFETCH)``."""
+    slot = g % STAGES
+    mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+    a = _weight_operand(lo, hi, op_l)
+    tok = hopper.warpgroup_mma(a, x_s.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+    sig = gl.load(s_ptrs + g, mask=s_ok, other=0.0).to(gl.float32) * SIGMA_SHIFT
+    lo_next, hi_next = _unpack(wbs[0])
+    wb = gl.load(w_ptrs + (g + PREFETCH) * (HALF // 4), mask=w_ok & (g + PREFETCH < groups), other=0)
+    if PREFETCH == 2:
+        wbs = (wb,)
+    else:
+        wbs = (wbs[1], wb)
+    # the operand's words (its registers) dependencies of the wait: they stay the wgmma's until it retires (else
+    # group g + 1's unpack may be given them, and ptxas serializes every wgmma)
+    part, lo, hi = hopper.warpgroup_mma_wait(0, deps=[tok, lo, hi])
+    return acc + part * sig[:, None], lo_next, hi_next, wbs
+
+
+@gluon.jit
+def _w4a8_prefill_gluon(
+    x_desc, W_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, Y_ptr,
+    M, N, K, stride_wn, stride_sn, stride_ym,
+    BT: gl.constexpr, SYNC: gl.constexpr, RING: gl.constexpr, PREFETCH: gl.constexpr, HAS_BIAS: gl.constexpr,
+):
+    """Program ``(n-tile, m-tile)``: ``y[m0 : m0 + BT, n0 : n0 + 128]`` over all of K (module docstring).
+
+    ``x_desc``: TMA descriptor of ``x̂ (M, K)`` e4m3 in fragment order, block ``[BT, 128]``. ``W``: ``qweight``
+    as ``int32 (N, K/8)`` words (row stride ``stride_wn`` words). ``AS``: β (M,). ``WS``: σ e4m3 (N, K/128).
+    ``PTS``: n. ``Y``: (M, N). The x̂ ring holds ``RING · SYNC`` groups (``RING ≥ 2``); the warpgroups meet every
+    SYNC groups. A group's weights are requested PREFETCH (2 or 3) groups ahead.
+    """
+    STAGES: gl.constexpr = RING * SYNC
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BT, 32])
+    op_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
+    # a group's words as a thread needs them: 4 contiguous (one 16-byte load) for rows r and r + 8, as in acc_l
+    ld_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[], shape=[BLOCK_N, HALF // 4])
+    out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[16, 2], warps_per_cta=[1, 8],
+                                           order=[0, 1])
+
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    pid = gl.program_id(0)
+    n0 = (pid % tiles_n) * BLOCK_N
+    m0 = (pid // tiles_n) * BT
+    groups = K // GROUP
+
+    x_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BT, GROUP], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(STAGES):  # groups 0 … STAGES − 1
+        mbarrier.expect(ready.index(i), BT * GROUP, pred=i < groups)
+        _tma_load(x_desc, [m0, i * GROUP], ready.index(i), x_s.index(i), pred=i < groups)
+
+    r_w = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_l))
+    c_w = gl.arange(0, HALF // 4, layout=gl.SliceLayout(0, ld_l))
+    w_ptrs = W_ptr + (n0 + r_w[:, None]).to(gl.int64) * stride_wn + c_w[None, :]
+    w_ok = (n0 + r_w < N)[:, None]
+    r_s = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
+    s_ptrs = WS_ptr + r_s.to(gl.int64) * stride_sn
+    s_ok = r_s < N
+
+    zero = gl.zeros([BLOCK_N, BT], gl.float32, acc_l)
+    acc = zero
+    lo, hi = _unpack(gl.load(w_ptrs, mask=w_ok, other=0))
+    wbs = (gl.load(w_ptrs + HALF // 4, mask=w_ok & (groups > 1), other=0),)
+    if PREFETCH == 3:
+        wbs = wbs + (gl.load(w_ptrs + 2 * (HALF // 4), mask=w_ok & (groups > 2), other=0),)
+    for g0 in range(0, groups, SYNC):
+        for j in gl.static_range(SYNC):
+            if g0 + j < groups:
+                acc, lo, hi, wbs = _group(x_s, ready, w_ptrs, w_ok, s_ptrs, s_ok, zero, acc, lo, hi, wbs, g0 + j,
+                                          groups, op_l, STAGES, PREFETCH)
+        _cta_barrier()  # both warpgroups are past groups g0 … g0 + SYNC − 1: their buffers take the next ones
+        for j in gl.static_range(SYNC):  # (the ring's other groups are already in flight)
+            nxt = g0 + j + STAGES
+            slot = (g0 + j) % STAGES
+            mbarrier.expect(ready.index(slot), BT * GROUP, pred=nxt < groups)
+            _tma_load(x_desc, [m0, nxt * GROUP], ready.index(slot), x_s.index(slot), pred=nxt < groups)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
+    offs_m = m0 + gl.arange(0, BT, layout=gl.SliceLayout(0, acc_l))
+    y = _epilogue(acc, AS_ptr, B_ptr, PTS_ptr, offs_n, offs_m, offs_n < N, offs_m < M, HAS_BIAS)
+    y = gl.convert_layout(y.to(Y_ptr.dtype.element_ty), out_l)  # consecutive channels a thread: 16-byte stores
+    on = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
+    om = m0 + gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
+    gl.store(Y_ptr + om[None, :].to(gl.int64) * stride_ym + on[:, None], y, mask=(on < N)[:, None] & (om < M)[None, :])
+
+
+def w4a8_gemm_prefill_gluon(
+    x_hat: torch.Tensor,
+    x_scale: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    pts_exp: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    block_t: int = DEFAULT_BT,
+    sync: int = DEFAULT_SYNC,
+    ring: int = DEFAULT_RING,
+    prefetch: int = DEFAULT_PREFETCH,
+) -> torch.Tensor:
+    """The GEMM alone, ``y = β · 2⁻ⁿ · Σ_g σ_g (x̂_g ŵ_gᵀ) + bias``, from ``x̂`` in fragment order.
+
+    Args:
+        x_hat: ``float8_e4m3fn (M, K)``, contiguous, each 128-group in fragment order
+            (``quantize_activation_fp8(x, fragment_order=True)``).
+        x_scale: ``bfloat16 (M,)``.
+        qweight: ``uint8 (N, K/2)``, last dim contiguous.
+        scales: ``float8_e4m3fn (N, K/128)``.
+        pts_exp: ``int32 ()`` on the device.
+        bias: ``(N,)`` or None.
+        block_t: tokens per program (wgmma N: a multiple of 8, at most 256).
+        sync: groups between the warpgroups' meetings.
+        ring: the x̂ ring holds ``ring · sync`` groups (≥ 2).
+        prefetch: a group's weights are requested this many groups ahead (2 or 3).
+
+    Returns:
+        ``y (M, N)`` in ``out_dtype``.
+    """
+    m, k = x_hat.shape
+    _check_operands(m, k, qweight, scales)
+    if not x_hat.is_contiguous() or x_hat.dtype != torch.float8_e4m3fn:
+        raise ValueError("x_hat must be a contiguous float8_e4m3fn (M, K)")
+    n = qweight.shape[0]
+    y = torch.empty((m, n), device=x_hat.device, dtype=out_dtype)
+    if m == 0 or n == 0:
+        return y
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    desc = TensorDescriptor.from_tensor(x_hat, [block_t, GROUP_SIZE], layout)
+    grid = (cdiv(n, BLOCK_N.value) * cdiv(m, block_t),)
+    _w4a8_prefill_gluon[grid](
+        desc, qweight.view(torch.int32), x_scale, scales, x_scale if bias is None else bias, pts_exp, y,
+        m, n, k, qweight.stride(0) // 4, scales.stride(0), y.stride(0),
+        BT=block_t, SYNC=sync, RING=ring, PREFETCH=prefetch, HAS_BIAS=bias is not None, num_warps=8)
+    return y
+
+
+def w4a8_linear_prefill_gluon(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pts_exp: torch.Tensor,
+                              bias: torch.Tensor | None = None, **options) -> torch.Tensor:
+    """The whole layer on ``x (M, K)`` (last dim contiguous) → ``y (M, N)`` in ``x``'s dtype: the quantization
+    (:func:`~quantpatch.kernels.w4a8_triton.quantize_activation_fp8`, fragment order), then
+    :func:`w4a8_gemm_prefill_gluon` (``options``: its keywords)."""
+    _check_operands(x.shape[0], x.shape[1], qweight, scales)
+    x_hat, beta = quantize_activation_fp8(x, fragment_order=True)
+    return w4a8_gemm_prefill_gluon(x_hat, beta, qweight, scales, pts_exp, bias, x.dtype, **options)
