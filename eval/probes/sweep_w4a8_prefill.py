@@ -20,7 +20,7 @@ from quantpatch.kernels.w4a8_prefill_gluon import w4a8_gemm_prefill_gluon  # noq
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", type=Path, required=True)
 parser.add_argument("--tokens", type=int, nargs="+", default=[128, 1024, 4096])
-parser.add_argument("--tiles", nargs="+", default=["128x2x2x2", "128x1x2x2", "128x2x3x3", "64x2x2x2"],
+parser.add_argument("--tiles", nargs="*", default=["128x2x2x2", "128x1x2x2", "128x2x3x3", "64x2x2x2"],
                     help="block_t x sync x ring x prefetch")
 parser.add_argument("--quant", nargs="*", default=["4096x4", "16384x16"],
                     help="also time the fragment-order quantization kernel at these BLOCK_K x num_warps")
