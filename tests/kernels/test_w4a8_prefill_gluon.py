@@ -38,6 +38,20 @@ def test_fragment_order_quantization_is_the_plain_one_reordered(m, k):
     assert torch.equal(frag.view(torch.uint8), wt.to_fragment_order(x_hat).view(torch.uint8))
 
 
+def test_quantization_of_many_long_rows_in_chunks(monkeypatch):
+    """More than 16 tokens of rows longer than two chunks: chunked passes (``LONG_ROW_CHUNK``, shrunk here), bit
+    for bit the reference, in both orders."""
+    from quantpatch.kernels.w4a8_ref import quantize_activation_fp8 as quantize_ref
+
+    monkeypatch.setattr(wt, "LONG_ROW_CHUNK", 128)
+    x = _randn(18, 640, seed=4, scale=2.0).to(torch.bfloat16)
+    ref_hat, ref_beta = quantize_ref(x, compute_dtype=torch.float32)
+    for fragment in (False, True):
+        x_hat, beta = wt.quantize_activation_fp8(x.to(DEVICE), fragment_order=fragment)
+        want = wt.to_fragment_order(ref_hat) if fragment else ref_hat
+        assert torch.equal(x_hat.cpu().float(), want) and torch.equal(beta.cpu().float(), ref_beta[:, 0])
+
+
 def test_fragment_order_needs_whole_groups():
     with pytest.raises(ValueError, match="multiple of 128"):
         wt.quantize_activation_fp8(torch.zeros(2, 200), fragment_order=True)
