@@ -15,15 +15,15 @@ Design (swap AB, ``yᵀ = ŵ x̂ᵀ``; 8 warps, two warpgroups of 64 output chan
       wgmma         m64nBTk32 × 4 from group g's operand registers into a fresh accumulator, async
       INT4 → e4m3   group g + 1's words (loaded a group earlier) in registers (prmt/lop3: two's complement
                     nibble v → the e4m3 bits of v · 2⁻⁹, a subnormal or 2⁻⁶: sign | |v|), already wgmma's A
-                    fragment (fragment order: no data movement); group g + PREFETCH's words requested
+                    fragment (fragment order: no data movement); group g + 2's words requested
                     (ld.global.v4, 16 bytes of rows r and r + 8 a thread)
       wait          acc += part · σ_g
     every SYNC groups: bar.sync (both warpgroups are past those groups' buffers), then their refills
 
 Each warpgroup waits for its own product before promoting it; the other warpgroup's product keeps the tensor core
-busy meanwhile (H200: deeper rings, meetings every 2 or 4 groups and a weight prefetch of 3 groups were not faster,
-eval/results/bench_linear/h200/NOTES.md, version 10; a second in-flight accumulator per warpgroup needs more than
-255 registers at BT = 128 and spills).
+busy meanwhile (H200, eval/results/bench_linear/h200/NOTES.md version 10: deeper rings, meetings every 2 or 4
+groups and a weight prefetch of 3 groups, a knob dropped since, were not faster; a second in-flight accumulator
+per warpgroup needs more than 255 registers at BT = 128 and spills).
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ SIGMA_SHIFT = gl.constexpr(512.0)  # 2⁹: the operand is ŵ · 2⁻⁹
 DEFAULT_BT = 128  # tokens per program (wgmma N)
 DEFAULT_SYNC = 1  # groups between the warpgroups' meetings
 DEFAULT_RING = 2  # the x̂ ring holds RING · SYNC groups
-DEFAULT_PREFETCH = 2  # a group's weights are requested this many groups ahead
 
 # Two's complement INT4 → e4m3 bits of v · 2⁻⁹. In: a word of 4 packed bytes ($2). Out: their low nibbles ($0)
 # and high nibbles ($1), a byte each. v ≥ 0: the byte v (subnormal v · 2⁻⁹); v < 0: 0x80 | (16 − n) = 0x90 − n
@@ -94,41 +93,36 @@ def _weight_operand(lo, hi, op_l: gl.constexpr):
 
 
 @gluon.jit
-def _group(x_s, ready, w_ptrs, w_ok, s_ptrs, s_ok, zero, acc, lo, hi, wbs, g, groups,
-           op_l: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr):
+def _group(x_s, ready, w_ptrs, w_ok, s_ptrs, s_ok, zero, acc, lo, hi, wb, g, groups,
+           op_l: gl.constexpr, STAGES: gl.constexpr):
     """Group ``g``: its product (operand ``lo, hi``, x̂ buffer ``g mod STAGES``) into a fresh accumulator, async;
-    meanwhile group ``g + 1``'s words ``wbs[0]`` unpacked and group ``g + PREFETCH``'s requested (``wbs``: the
-    words of groups ``g + 1 … g + PREFETCH − 1``); then ``acc += part · σ_g``. Returns ``(acc, lo, hi of g + 1,
-    words of g + 2 … g + PREFETCH)``."""
+    meanwhile group ``g + 1``'s words ``wb`` unpacked and group ``g + 2``'s requested; then ``acc += part · σ_g``.
+    Returns ``(acc, lo, hi of g + 1, words of g + 2)``."""
     slot = g % STAGES
     mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
     a = _weight_operand(lo, hi, op_l)
     tok = hopper.warpgroup_mma(a, x_s.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
     sig = gl.load(s_ptrs + g, mask=s_ok, other=0.0).to(gl.float32) * SIGMA_SHIFT
-    lo_next, hi_next = _unpack(wbs[0])
-    wb = gl.load(w_ptrs + (g + PREFETCH) * (HALF // 4), mask=w_ok & (g + PREFETCH < groups), other=0)
-    if PREFETCH == 2:
-        wbs = (wb,)
-    else:
-        wbs = (wbs[1], wb)
+    lo_next, hi_next = _unpack(wb)
+    wb = gl.load(w_ptrs + (g + 2) * (HALF // 4), mask=w_ok & (g + 2 < groups), other=0)
     # the operand's words (its registers) dependencies of the wait: they stay the wgmma's until it retires (else
     # group g + 1's unpack may be given them, and ptxas serializes every wgmma)
     part, lo, hi = hopper.warpgroup_mma_wait(0, deps=[tok, lo, hi])
-    return acc + part * sig[:, None], lo_next, hi_next, wbs
+    return acc + part * sig[:, None], lo_next, hi_next, wb
 
 
 @gluon.jit
 def _w4a8_prefill_gluon(
     x_desc, W_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, Y_ptr,
     M, N, K, stride_wn, stride_sn, stride_ym,
-    BT: gl.constexpr, SYNC: gl.constexpr, RING: gl.constexpr, PREFETCH: gl.constexpr, HAS_BIAS: gl.constexpr,
+    BT: gl.constexpr, SYNC: gl.constexpr, RING: gl.constexpr, HAS_BIAS: gl.constexpr,
 ):
     """Program ``(n-tile, m-tile)``: ``y[m0 : m0 + BT, n0 : n0 + 128]`` over all of K (module docstring).
 
     ``x_desc``: TMA descriptor of ``x̂ (M, K)`` e4m3 in fragment order, block ``[BT, 128]``. ``W``: ``qweight``
     as ``int32 (N, K/8)`` words (row stride ``stride_wn`` words). ``AS``: β (M,). ``WS``: σ e4m3 (N, K/128).
     ``PTS``: n. ``Y``: (M, N). The x̂ ring holds ``RING · SYNC`` groups (``RING ≥ 2``); the warpgroups meet every
-    SYNC groups. A group's weights are requested PREFETCH (2 or 3) groups ahead.
+    SYNC groups. A group's weights are requested two groups ahead.
     """
     STAGES: gl.constexpr = RING * SYNC
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BT, 32])
@@ -158,21 +152,19 @@ def _w4a8_prefill_gluon(
     c_w = gl.arange(0, HALF // 4, layout=gl.SliceLayout(0, ld_l))
     w_ptrs = W_ptr + (n0 + r_w[:, None]).to(gl.int64) * stride_wn + c_w[None, :]
     w_ok = (n0 + r_w < N)[:, None]
-    r_s = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
-    s_ptrs = WS_ptr + r_s.to(gl.int64) * stride_sn
-    s_ok = r_s < N
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))  # σ's rows and the epilogue's
+    n_ok = offs_n < N
+    s_ptrs = WS_ptr + offs_n.to(gl.int64) * stride_sn
 
     zero = gl.zeros([BLOCK_N, BT], gl.float32, acc_l)
     acc = zero
     lo, hi = _unpack(gl.load(w_ptrs, mask=w_ok, other=0))
-    wbs = (gl.load(w_ptrs + HALF // 4, mask=w_ok & (groups > 1), other=0),)
-    if PREFETCH == 3:
-        wbs = wbs + (gl.load(w_ptrs + 2 * (HALF // 4), mask=w_ok & (groups > 2), other=0),)
+    wb = gl.load(w_ptrs + HALF // 4, mask=w_ok & (groups > 1), other=0)
     for g0 in range(0, groups, SYNC):
         for j in gl.static_range(SYNC):
             if g0 + j < groups:
-                acc, lo, hi, wbs = _group(x_s, ready, w_ptrs, w_ok, s_ptrs, s_ok, zero, acc, lo, hi, wbs, g0 + j,
-                                          groups, op_l, STAGES, PREFETCH)
+                acc, lo, hi, wb = _group(x_s, ready, w_ptrs, w_ok, s_ptrs, n_ok, zero, acc, lo, hi, wb, g0 + j,
+                                         groups, op_l, STAGES)
         _cta_barrier()  # both warpgroups are past groups g0 … g0 + SYNC − 1: their buffers take the next ones
         for j in gl.static_range(SYNC):  # (the ring's other groups are already in flight)
             nxt = g0 + j + STAGES
@@ -182,9 +174,8 @@ def _w4a8_prefill_gluon(
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
     offs_m = m0 + gl.arange(0, BT, layout=gl.SliceLayout(0, acc_l))
-    y = _epilogue(acc, AS_ptr, B_ptr, PTS_ptr, offs_n, offs_m, offs_n < N, offs_m < M, HAS_BIAS)
+    y = _epilogue(acc, AS_ptr, B_ptr, PTS_ptr, offs_n, offs_m, n_ok, offs_m < M, HAS_BIAS)
     y = gl.convert_layout(y.to(Y_ptr.dtype.element_ty), out_l)  # consecutive channels a thread: 16-byte stores
     on = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
     om = m0 + gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
@@ -203,7 +194,6 @@ def w4a8_gemm_prefill_gluon(
     block_t: int = DEFAULT_BT,
     sync: int = DEFAULT_SYNC,
     ring: int = DEFAULT_RING,
-    prefetch: int = DEFAULT_PREFETCH,
 ) -> torch.Tensor:
     """The GEMM alone, ``y = β · 2⁻ⁿ · Σ_g σ_g (x̂_g ŵ_gᵀ) + bias``, from ``x̂`` in fragment order.
 
@@ -218,7 +208,6 @@ def w4a8_gemm_prefill_gluon(
         block_t: tokens per program (wgmma N: a multiple of 8, at most 256).
         sync: groups between the warpgroups' meetings.
         ring: the x̂ ring holds ``ring · sync`` groups (≥ 2).
-        prefetch: a group's weights are requested this many groups ahead (2 or 3).
 
     Returns:
         ``y (M, N)`` in ``out_dtype``.
@@ -237,7 +226,7 @@ def w4a8_gemm_prefill_gluon(
     _w4a8_prefill_gluon[grid](
         desc, qweight.view(torch.int32), x_scale, scales, x_scale if bias is None else bias, pts_exp, y,
         m, n, k, qweight.stride(0) // 4, scales.stride(0), y.stride(0),
-        BT=block_t, SYNC=sync, RING=ring, PREFETCH=prefetch, HAS_BIAS=bias is not None, num_warps=8)
+        BT=block_t, SYNC=sync, RING=ring, HAS_BIAS=bias is not None, num_warps=8)
     return y
 
 

@@ -563,13 +563,14 @@ def w4a8_linear_2d(
     """
     m, k = x.shape
     n = qweight.shape[0]
-    if config is None and uses_gluon(m, n, k, x.device):
+    gate = _gluon_gate(m, n, k)  # (:func:`uses_gluon`, the table looked up once)
+    if config is None and gate.unsupported(x.device) is None:
         try:
-            if gemm_config(m, n, k)["kernel"] == "decode":
+            if gate is GLUON:
                 return _gluon.w4a8_linear_gluon(x, qweight, scales, pts_exp, bias)
             return _prefill.w4a8_linear_prefill_gluon(x, qweight, scales, pts_exp, bias)
         except triton.CompilationError as err:  # a Triton whose Gluon API differs: warn once, Triton serves
-            _gluon_gate(m, n, k).close(x.device, err)
+            gate.close(x.device, err)
     _check_operands(m, k, qweight, scales)
     cfg = gemm_config(m, qweight.shape[0], k) if config is None else config
     y = torch.empty((m, qweight.shape[0]), device=x.device, dtype=x.dtype)

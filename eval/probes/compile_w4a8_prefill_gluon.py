@@ -1,7 +1,7 @@
 """Compile ``kernels/w4a8_prefill_gluon.py`` for sm_90 without a GPU (Triton 3.6 in a CPU venv) and print its
 registers, spills, shared memory, op counts (shared-memory traffic would mean the weight operand left registers)
 and ptxas's advisories (C7513/C7514: wgmma serialized):
-``python eval/probes/compile_w4a8_prefill_gluon.py [BT] [SYNC] [DUMP|-] [RING] [PREFETCH]``."""
+``python eval/probes/compile_w4a8_prefill_gluon.py [BT] [SYNC] [DUMP|-] [RING]``."""
 
 import re
 import sys
@@ -18,12 +18,11 @@ desc = (f"tensordesc<fp8e4nv[{bt}, 128],NVMMASharedLayout(swizzle_byte_width=128
 types = dict(x_desc=desc, W_ptr="*i32", AS_ptr="*bf16", WS_ptr="*fp8e4nv", B_ptr="*bf16", PTS_ptr="*i32",
              Y_ptr="*bf16")
 ring = int(sys.argv[4]) if len(sys.argv) > 4 else 2
-prefetch = int(sys.argv[5]) if len(sys.argv) > 5 else 2
-constexprs = dict(BT=bt, SYNC=sync, RING=ring, PREFETCH=prefetch, HAS_BIAS=True)
+constexprs = dict(BT=bt, SYNC=sync, RING=ring, HAS_BIAS=True)
 aligned = [n for n in kernel.arg_names if n.endswith("_ptr")] + ["K", "stride_wn", "stride_ym"]
 compiled = compile_sm90(kernel, types, constexprs, aligned, num_warps=8)
 ptx, sass, usage, ptxas = inspect_binary(compiled, dump)
-print(f"BT {bt} SYNC {sync} RING {ring} PREFETCH {prefetch}")
+print(f"BT {bt} SYNC {sync} RING {ring}")
 print(resources(compiled, usage))
 ops = ("wgmma.mma_async", "wgmma.wait_group", "bar.sync", "st.shared", "ld.shared", "ld.global.v4", "prmt", "lop3",
        "cp.async.bulk.tensor", "mbarrier.try_wait", "fma.rn.f32")

@@ -20,8 +20,8 @@ from quantpatch.kernels.w4a8_prefill_gluon import w4a8_gemm_prefill_gluon  # noq
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", type=Path, required=True)
 parser.add_argument("--tokens", type=int, nargs="+", default=[128, 1024, 4096])
-parser.add_argument("--tiles", nargs="*", default=["128x2x2x2", "128x1x2x2", "128x2x3x3", "64x2x2x2"],
-                    help="block_t x sync x ring x prefetch")
+parser.add_argument("--tiles", nargs="*", default=["128x1x2", "128x2x2", "128x1x4", "64x1x2"],
+                    help="block_t x sync x ring")
 parser.add_argument("--quant", nargs="*", default=["4096x4", "16384x16"],
                     help="also time the fragment-order quantization kernel at these BLOCK_K x num_warps")
 parser.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
@@ -47,9 +47,9 @@ for m, (k, n) in itertools.product(args.tokens, LLAMA_8B_SHAPES):
         impls[f"quant {q}"] = lambda block_k=block_k, warps=warps: wt._w4a8_quantize_activation_kernel[(m,)](
             x, frag[0], frag[1], k, x.stride(0), k, BLOCK_K=block_k, FRAGMENT=True, EMULATE=False, num_warps=warps)
     for tile in args.tiles:
-        bt, sync, ring, pf = map(int, tile.split("x"))
-        impls[f"gluon {tile}"] = lambda bt=bt, sync=sync, ring=ring, pf=pf: w4a8_gemm_prefill_gluon(
-            *frag, qw, sc, pe, b, torch.bfloat16, block_t=bt, sync=sync, ring=ring, prefetch=pf)
+        bt, sync, ring = map(int, tile.split("x"))
+        impls[f"gluon {tile}"] = lambda bt=bt, sync=sync, ring=ring: w4a8_gemm_prefill_gluon(
+            *frag, qw, sc, pe, b, torch.bfloat16, block_t=bt, sync=sync, ring=ring)
     times = {}
     for name, fn in impls.items():
         try:

@@ -83,9 +83,10 @@ def test_gpu_prefill_gemm_matches_reference(m, n, k):
 @pytest.mark.gpu
 @needs_cuda
 @hopper
-@pytest.mark.parametrize("block_t, sync", [(64, 1), (128, 1), (128, 4), (256, 2)])
-def test_gpu_prefill_gemm_tiles_and_ring_depths(block_t, sync):
-    _check(333, 640, 1664, seed=block_t + sync, block_t=block_t, sync=sync)
+@pytest.mark.parametrize("block_t, sync, ring", [(64, 1, 2), (128, 1, 2), (128, 4, 2), (256, 2, 2), (128, 1, 3),
+                                                  (128, 2, 4)])
+def test_gpu_prefill_gemm_tiles_and_ring_depths(block_t, sync, ring):
+    _check(333, 640, 1664, seed=block_t + sync + ring, block_t=block_t, sync=sync, ring=ring)
 
 
 @pytest.mark.gpu
