@@ -23,8 +23,11 @@ which flushes L2 between calls, so weights come from HBM as in a model's forward
 over several input sets; TFLOPS = 2·M·N·K / t. Each implementation is timed twice (``mode``):
 ``eager``, the Python call as is (host overhead included where the GPU waits for it), and
 ``graph``, the same call captured once per input set in a CUDA graph and replayed (as a decode
-server runs; launch overhead gone). Ratios are the baselines' times over each row's time, same
-run and same mode (> 1: faster than the baseline). Accuracy: relative L1 against the bf16
+server runs; launch overhead gone). With ``--stream L``, also ``stream``: L distinct layers of the shape
+(bf16, FP8 and W4A8 weights each, more than L2 holds) called one after the other on the same input in one CUDA graph,
+the replay's time / L, as a model's decode step runs its projections: weights from HBM, no L2 flush or timing event
+between two layers (``do_bench`` still flushes before each replay). Ratios are the baselines' times over each row's
+time, same run and same mode (> 1: faster than the baseline). Accuracy: relative L1 against the bf16
 ``F.linear`` output on the same inputs (M = ``--acc-m`` tokens of N(0, 1), weights N(0, 0.02²)).
 ``--tune`` times the layer's configurations instead (``w4a8_linear_2d``, quantization included, as
 CUDA-graph replays: GPU time; decode kernel for M ≤ 16, tiled above;
@@ -39,6 +42,7 @@ Usage::
 
     QP_GIT_SHA=$(git rev-parse HEAD) python eval/bench_linear.py --out eval/results/bench_linear/h200
     python eval/bench_linear.py --tune --out /tmp/tune
+    python eval/bench_linear.py --tokens 1 16 --stream 16 --no-accuracy --out /tmp/decode
     python eval/bench_linear.py --quick --device cpu --out /tmp/bench_linear
 """
 
@@ -71,6 +75,7 @@ TOKENS = (1, 16, 128, 1024, 4096)
 QUICK_CPU_SHAPES, QUICK_CPU_TOKENS = ((256, 384),), (1, 16)
 BASELINES = ("bf16", "fp8-tensor", "fp8-rowwise")
 L2_ROTATE_BYTES = 256 * 2**20
+LINE_STYLES = {"eager": "-", "graph": "--", "stream": ":"}
 logger = logging.getLogger("quantpatch").getChild("eval.bench_linear")
 
 
@@ -177,17 +182,50 @@ def speed_rows(args) -> list[dict]:
             if gluon:  # the Triton decode or tiled path on the same inputs
                 cfg = wt.gemm_config(m, n, k)
                 timed("triton e2e", lambda i: wt.w4a8_linear_2d(xs[i], *args_w, config=cfg))
-        base = {(r["impl"], r["mode"]): r["ms"] for r in shape_rows if r["impl"] in BASELINES}
-        for r in shape_rows:
-            for b in BASELINES:
-                b_ms = base.get((b, r["mode"]))
-                r[f"vs_{b}"] = b_ms / r["ms"] if b_ms is not None and r["impl"] != "w4a8 quant" else ""
-            print(f"K={k:5d} N={n:5d} M={m:4d} {r['impl']:>11s} {r['mode']:>5s} {r['ms']:8.4f} ms "
-                  f"{r['tflops']:7.1f} TFLOPS  " + "  ".join(f"x{r[f'vs_{b}'] or 0:5.2f} {b}" for b in BASELINES),
-                  flush=True)
-        rows += shape_rows
+        rows += _with_ratios(shape_rows)
         layer = xs = quant = fp8 = None
         if kernels:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _with_ratios(shape_rows: list[dict]) -> list[dict]:
+    """Each row of one (K, N, M) with ``vs_<baseline>`` (the baseline's time in the same mode / the row's), printed."""
+    base = {(r["impl"], r["mode"]): r["ms"] for r in shape_rows if r["impl"] in BASELINES}
+    for r in shape_rows:
+        for b in BASELINES:
+            b_ms = base.get((b, r["mode"]))
+            r[f"vs_{b}"] = b_ms / r["ms"] if b_ms is not None and r["impl"] != "w4a8 quant" else ""
+        print(f"K={r['k']:5d} N={r['n']:5d} M={r['m']:4d} {r['impl']:>11s} {r['mode']:>6s} {r['ms']:8.4f} ms "
+              f"{r['tflops']:7.1f} TFLOPS  " + "  ".join(f"x{r[f'vs_{b}'] or 0:5.2f} {b}" for b in BASELINES),
+              flush=True)
+    return shape_rows
+
+
+def stream_rows(args) -> list[dict]:
+    """``stream`` rows (module docstring): per shape, ``args.stream`` layers built once, then each M."""
+    rows = []
+    time_fn = _timer(args.device)
+    for k, n in args.shapes:
+        layers = [Layer(k, n, args.device, seed=k + n + i) for i in range(args.stream)]
+        for m in args.tokens:
+            x = _inputs(m, k, 1, args.device, seed=m)[0]
+            fp8 = [layer.fp8_operands(x) for layer in layers]
+            impls = {"bf16": lambda: [torch.nn.functional.linear(x, layer.weight) for layer in layers],
+                     "w4a8 e2e": lambda: [layer.w4a8(x) for layer in layers]}
+            for kind in ("tensor", "rowwise"):
+                impls[f"fp8-{kind}"] = lambda kind=kind: [layer.scaled_mm(kind, *ops[kind])
+                                                          for layer, ops in zip(layers, fp8)]
+            shape_rows = []
+            for impl, fn in impls.items():
+                run = graph_replays(lambda i, fn=fn: fn(), 1) if args.device.type == "cuda" else lambda i, fn=fn: fn()
+                run(0)
+                ms = time_fn(run, 1, args.warmup, args.rep) / args.stream
+                shape_rows.append(dict(k=k, n=n, m=m, impl=impl, mode="stream", ms=ms,
+                                       tflops=2.0 * m * n * k / (ms * 1e-3) / 1e12))
+            rows += _with_ratios(shape_rows)
+        layers = fp8 = None
+        if args.device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
 
@@ -300,7 +338,7 @@ def plot(rows: list[dict], path: Path) -> None:
         sel = [r for r in rows if (r["k"], r["n"]) == (k, n) and r["impl"] != "w4a8 quant"]
         for impl, mode in sorted({(r["impl"], r["mode"]) for r in sel}):
             pts = sorted((r["m"], r["vs_bf16"]) for r in sel if (r["impl"], r["mode"]) == (impl, mode))
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "-" if mode == "eager" else "--", color=color[impl],
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], LINE_STYLES[mode], color=color[impl],
                     marker="o" if mode == "eager" else "x", ms=3, label=f"{impl} ({mode})")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens M")
@@ -343,6 +381,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms; calls on the CPU)")
     p.add_argument("--rep", type=int, default=100, help="do_bench measurement time (ms; calls on the CPU)")
     p.add_argument("--acc-m", type=int, default=128, help="tokens of the accuracy measurement")
+    p.add_argument("--stream", type=int, default=0, metavar="L",
+                   help="also time streams of L distinct layers in one CUDA graph (mode 'stream'; 0: off)")
     p.add_argument("--no-accuracy", action="store_true")
     p.add_argument("--quick", action="store_true", help="CPU: one 256x384 shape at M in {1, 16}, 3 calls")
     p.add_argument("--tune", action="store_true", help="time GEMM tile configurations instead (GEMM only)")
@@ -378,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         from quantpatch.kernels import w4a8_triton as wt
 
         meta["gemm_configs"] = wt.GEMM_CONFIGS
-    speed = speed_rows(args)
+    speed = speed_rows(args) + (stream_rows(args) if args.stream > 0 else [])
     acc = [] if args.no_accuracy else accuracy_rows(args)
     write_csv(args.out / "speed.csv", speed)
     write_csv(args.out / "accuracy.csv", acc)

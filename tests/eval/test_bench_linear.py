@@ -14,7 +14,8 @@ from quantpatch.cli_commands import load_eval_script
 def quick_run(tmp_path_factory):
     pytest.importorskip("matplotlib")
     out = tmp_path_factory.mktemp("bench_linear")
-    return load_eval_script("bench_linear.py").main(["--quick", "--device", "cpu", "--out", str(out)]), out
+    return load_eval_script("bench_linear.py").main(["--quick", "--device", "cpu", "--stream", "2",
+                                                           "--out", str(out)]), out
 
 
 def _read_csv(path: Path) -> list[dict]:
@@ -35,7 +36,8 @@ def test_every_implementation_timed_with_ratios(quick_run):
     _, out = quick_run
     rows = _read_csv(out / "speed.csv")
     assert {(r["m"], r["impl"], r["mode"]) for r in rows} == {
-        (m, i, "eager") for m in ("1", "16") for i in ("bf16", "fp8-tensor", "fp8-rowwise", "w4a8 e2e")}  # no graphs
+        (m, i, mode) for m in ("1", "16") for i in ("bf16", "fp8-tensor", "fp8-rowwise", "w4a8 e2e")
+        for mode in ("eager", "stream")}  # no graphs on the CPU; streams of 2 layers
     for r in rows:
         assert float(r["ms"]) > 0 and float(r["vs_bf16"]) > 0
         if r["impl"] == "bf16":
