@@ -7,23 +7,27 @@ narrower register within the group; the tests' bound), times the group's e4m3 sc
 accumulator in group order, then ``(acc ⊙ β) · 2⁻ⁿ + bias``. The weight operand is ``ŵ · 2⁻⁹`` (below) and σ is
 taken as ``σ · 2⁹``: powers of two, so every product and partial is that of ``ŵ`` and ``σ`` exactly.
 
-Design (swap AB, ``yᵀ = ŵ x̂ᵀ``; 8 warps, two warpgroups of 64 output channels each, ``BT`` tokens)::
+Design (swap AB, ``yᵀ = ŵ x̂ᵀ``; a program is 128 output channels × ``BT`` tokens, warp-specialized)::
 
     x̂ in fragment order ([M, K] e4m3, :func:`~quantpatch.kernels.w4a8_triton.fragment_slots`)
-    TMA  [BT, 128] tiles of x̂ into a ring of RING · SYNC shared buffers (one mbarrier each)
-    per group g, each warpgroup:
+    producer warp   TMA [BT, 128] tiles of x̂ into a ring of STAGES shared buffers (a "ready" mbarrier each, the
+                    TMA's byte count) once both consumers released the buffer (an "empty" mbarrier, two arrivals)
+    two consumer warpgroups, 64 output channels each, per group g:
       wgmma         m64nBTk32 × 4 from group g's operand registers into a fresh accumulator, async
-      INT4 → e4m3   group g + 1's words (loaded a group earlier) in registers (prmt/lop3: two's complement
-                    nibble v → the e4m3 bits of v · 2⁻⁹, a subnormal or 2⁻⁶: sign | |v|), already wgmma's A
-                    fragment (fragment order: no data movement); group g + 2's words requested
+      INT4 → e4m3   group g + 1's words (requested three groups earlier) in registers (prmt/lop3: two's
+                    complement nibble v → the e4m3 bits of v · 2⁻⁹, a subnormal or 2⁻⁶: sign | |v|), already
+                    wgmma's A fragment (fragment order: no data movement); group g + 4's words requested
                     (ld.global.v4, 16 bytes of rows r and r + 8 a thread)
-      wait          acc += part · σ_g
-    every SYNC groups: bar.sync (both warpgroups are past those groups' buffers), then their refills
+      wait          release the x̂ buffer; acc += part · σ_g
 
-Each warpgroup waits for its own product before promoting it; the other warpgroup's product keeps the tensor core
-busy meanwhile (H200, eval/results/bench_linear/h200/NOTES.md version 10: deeper rings, meetings every 2 or 4
-groups and a weight prefetch of 3 groups, a knob dropped since, were not faster; a second in-flight accumulator
-per warpgroup needs more than 255 registers at BT = 128 and spills).
+Each warpgroup waits for its own product before promoting it, and the two never meet: while one promotes and
+unpacks, the other's product keeps the tensor core busy. The version before ran both warpgroups as one 8-warp
+partition meeting at a bar.sync every group (so both promoted at the same time) and requested weights two groups
+ahead: the same numerics bit for bit, 8-13 % slower at M = 4096 on an H200 (warp specialization), and a further
+up to 10 % (weights four groups ahead) at the long-K and long-N shapes (eval/results/bench_linear/h200/NOTES.md,
+version 11). Two things measured and not kept: the product's wait right after its issue with the unpack and the
+σ load after it (ptxas then keeps the four wgmma in flight, no advisory C7513, but the kernel was no faster), and
+BT = 256 (a second accumulator set per warpgroup needs more than 232 registers: spills).
 """
 
 from __future__ import annotations
@@ -36,19 +40,22 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .compiled_launch import cdiv
-from .w4a8_gluon import _cta_barrier, _epilogue
+from .w4a8_gluon import _epilogue
 from .w4a8_ref import GROUP_SIZE
 from .w4a8_triton import _check_operands, quantize_activation_fp8
 
 # the TMA load: tma.async_copy_global_to_shared in Triton 3.6, tma.async_load from 3.7 on
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-BLOCK_N = gl.constexpr(128)  # output channels per program: two warpgroups' wgmma M
+BLOCK_N = gl.constexpr(128)  # output channels per program: two consumer warpgroups'
+WG_ROWS = gl.constexpr(64)  # output channels of a consumer warpgroup: its wgmma M
 GROUP = gl.constexpr(GROUP_SIZE)  # input channels per scale: one x̂ tile's width
 HALF = gl.constexpr(GROUP_SIZE // 2)  # bytes of one group of one output channel
 SIGMA_SHIFT = gl.constexpr(512.0)  # 2⁹: the operand is ŵ · 2⁻⁹
 DEFAULT_BT = 128  # tokens per program (wgmma N)
-DEFAULT_SYNC = 1  # groups between the warpgroups' meetings
-DEFAULT_RING = 2  # the x̂ ring holds RING · SYNC groups
+DEFAULT_STAGES = 4  # x̂ buffers in the ring (H200: 4 as good as or better than 2, 3 and 6, NOTES version 11)
+WEIGHT_AHEAD = gl.constexpr(4)  # a group's weights are requested this many groups before their product
+CONSUMER_REGS = gl.constexpr(232)  # registers of a consumer thread (setmaxnreg): 2 · 128 · 232 + 128 · 24 ≤ 64 K
+PRODUCER_REGS = gl.constexpr(24)  # the least setmaxnreg takes
 
 # Two's complement INT4 → e4m3 bits of v · 2⁻⁹. In: a word of 4 packed bytes ($2). Out: their low nibbles ($0)
 # and high nibbles ($1), a byte each. v ≥ 0: the byte v (subnormal v · 2⁻⁹); v < 0: 0x80 | (16 − n) = 0x90 − n
@@ -84,102 +91,115 @@ def _word_bytes(w):
 
 @gluon.jit
 def _weight_operand(lo, hi, op_l: gl.constexpr):
-    """The unpacked words of a group → the e4m3 A operand ``[128, 128]`` in fragment order: byte ``16q + 4s + j``
+    """The unpacked words of a group → the e4m3 A operand ``[rows, 128]`` in fragment order: byte ``16q + 4s + j``
     of a row holds slots ``32s + 4q + j`` (low nibble) and ``32s + 16 + 4q + j`` (high nibble)."""
-    t = gl.join(_word_bytes(lo), _word_bytes(hi))  # [128, 64, 2]
-    t = gl.permute(gl.reshape(t, [BLOCK_N, 4, 4, 4, 2]), (0, 2, 4, 1, 3))  # (q, s, j, h) → (s, h, q, j)
-    t = gl.reshape(t, [BLOCK_N, GROUP]).to(gl.float8e4nv, bitcast=True)
+    rows: gl.constexpr = lo.shape[0]
+    t = gl.join(_word_bytes(lo), _word_bytes(hi))  # [rows, 64, 2]
+    t = gl.permute(gl.reshape(t, [rows, 4, 4, 4, 2]), (0, 2, 4, 1, 3))  # (q, s, j, h) → (s, h, q, j)
+    t = gl.reshape(t, [rows, GROUP]).to(gl.float8e4nv, bitcast=True)
     return gl.convert_layout(t, op_l)
 
 
 @gluon.jit
-def _group(x_s, ready, w_ptrs, w_ok, s_ptrs, s_ok, zero, acc, lo, hi, wb, g, groups,
-           op_l: gl.constexpr, STAGES: gl.constexpr):
-    """Group ``g``: its product (operand ``lo, hi``, x̂ buffer ``g mod STAGES``) into a fresh accumulator, async;
-    meanwhile group ``g + 1``'s words ``wb`` unpacked and group ``g + 2``'s requested; then ``acc += part · σ_g``.
-    Returns ``(acc, lo, hi of g + 1, words of g + 2)``."""
-    slot = g % STAGES
-    mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-    a = _weight_operand(lo, hi, op_l)
-    tok = hopper.warpgroup_mma(a, x_s.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
-    sig = gl.load(s_ptrs + g, mask=s_ok, other=0.0).to(gl.float32) * SIGMA_SHIFT
-    lo_next, hi_next = _unpack(wb)
-    wb = gl.load(w_ptrs + (g + 2) * (HALF // 4), mask=w_ok & (g + 2 < groups), other=0)
-    # the operand's words (its registers) dependencies of the wait: they stay the wgmma's until it retires (else
-    # group g + 1's unpack may be given them, and ptxas serializes every wgmma)
-    part, lo, hi = hopper.warpgroup_mma_wait(0, deps=[tok, lo, hi])
-    return acc + part * sig[:, None], lo_next, hi_next, wb
+def _x_producer(x_desc, x_s, ready, empty, m0, groups, BT: gl.constexpr, STAGES: gl.constexpr):
+    """Producer warp: x̂ group ``g`` (tile ``[BT, 128]``) into ring slot ``g mod STAGES`` by TMA once both
+    consumers have released the slot."""
+    for g in range(groups):
+        slot = g % STAGES
+        mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+        mbarrier.expect(ready.index(slot), BT * GROUP)
+        _tma_load(x_desc, [m0, g * GROUP], ready.index(slot), x_s.index(slot))
+
+
+@gluon.jit
+def _wg_consumer(x_s, ready, empty, W_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, Y_ptr, M, N, stride_wn, stride_sn,
+                 stride_ym, n0, m0, groups, BT: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """One warpgroup: ``y[m0 : m0 + BT, n0 : n0 + 64]`` over all of K, releasing each x̂ slot (one arrival of
+    two) as soon as its product retired; it never meets the other warpgroup."""
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 32])
+    op_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
+    # a group's words as a thread needs them: 4 contiguous (one 16-byte load) for rows r and r + 8, as in acc_l
+    ld_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[WG_ROWS, HALF // 4])
+    out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, 4],
+                                           order=[0, 1])
+    r_w = gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, ld_l))
+    c_w = gl.arange(0, HALF // 4, layout=gl.SliceLayout(0, ld_l))
+    w_ptrs = W_ptr + (n0 + r_w[:, None]).to(gl.int64) * stride_wn + c_w[None, :]
+    w_ok = (n0 + r_w < N)[:, None]
+    offs_n = n0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, acc_l))  # σ's rows and the epilogue's
+    n_ok = offs_n < N
+    s_ptrs = WS_ptr + offs_n.to(gl.int64) * stride_sn
+
+    zero = gl.zeros([WG_ROWS, BT], gl.float32, acc_l)
+    acc = zero
+    # group g's operand unpacked (lo, hi), the words of groups g + 1 … g + 3 in flight (w1, w2, w3)
+    lo, hi = _unpack(gl.load(w_ptrs, mask=w_ok, other=0))
+    w1 = gl.load(w_ptrs + HALF // 4, mask=w_ok & (groups > 1), other=0)
+    w2 = gl.load(w_ptrs + 2 * (HALF // 4), mask=w_ok & (groups > 2), other=0)
+    w3 = gl.load(w_ptrs + 3 * (HALF // 4), mask=w_ok & (groups > 3), other=0)
+    for g in range(groups):
+        slot = g % STAGES
+        mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+        a = _weight_operand(lo, hi, op_l)
+        tok = hopper.warpgroup_mma(a, x_s.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+        sig = gl.load(s_ptrs + g, mask=n_ok, other=0.0).to(gl.float32) * SIGMA_SHIFT
+        lo_next, hi_next = _unpack(w1)
+        w1 = w2
+        w2 = w3
+        w3 = gl.load(w_ptrs + (g + WEIGHT_AHEAD) * (HALF // 4), mask=w_ok & (g + WEIGHT_AHEAD < groups), other=0)
+        # the operand's words (its registers) dependencies of the wait: they stay the wgmma's until it retires
+        # (else group g + 1's unpack may be given them, and ptxas serializes every wgmma)
+        part, lo, hi = hopper.warpgroup_mma_wait(0, deps=[tok, lo, hi])
+        mbarrier.arrive(empty.index(slot))  # this warpgroup is done with the x̂ buffer
+        acc = acc + part * sig[:, None]
+        lo = lo_next
+        hi = hi_next
+
+    offs_m = m0 + gl.arange(0, BT, layout=gl.SliceLayout(0, acc_l))
+    y = _epilogue(acc, AS_ptr, B_ptr, PTS_ptr, offs_n, offs_m, n_ok, offs_m < M, HAS_BIAS)
+    y = gl.convert_layout(y.to(Y_ptr.dtype.element_ty), out_l)  # consecutive channels a thread: 16-byte stores
+    on = n0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, out_l))
+    om = m0 + gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
+    gl.store(Y_ptr + om[None, :].to(gl.int64) * stride_ym + on[:, None], y, mask=(on < N)[:, None] & (om < M)[None, :])
 
 
 @gluon.jit
 def _w4a8_prefill_gluon(
     x_desc, W_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, Y_ptr,
     M, N, K, stride_wn, stride_sn, stride_ym,
-    BT: gl.constexpr, SYNC: gl.constexpr, RING: gl.constexpr, HAS_BIAS: gl.constexpr,
+    BT: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
 ):
     """Program ``(n-tile, m-tile)``: ``y[m0 : m0 + BT, n0 : n0 + 128]`` over all of K (module docstring).
 
     ``x_desc``: TMA descriptor of ``x̂ (M, K)`` e4m3 in fragment order, block ``[BT, 128]``. ``W``: ``qweight``
     as ``int32 (N, K/8)`` words (row stride ``stride_wn`` words). ``AS``: β (M,). ``WS``: σ e4m3 (N, K/128).
-    ``PTS``: n. ``Y``: (M, N). The x̂ ring holds ``RING · SYNC`` groups (``RING ≥ 2``); the warpgroups meet every
-    SYNC groups. A group's weights are requested two groups ahead.
+    ``PTS``: n. ``Y``: (M, N). Launched with 4 warps (the first consumer); the second consumer (4 warps) and the
+    producer (1 warp) are the worker partitions.
     """
-    STAGES: gl.constexpr = RING * SYNC
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BT, 32])
-    op_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
-    # a group's words as a thread needs them: 4 contiguous (one 16-byte load) for rows r and r + 8, as in acc_l
-    ld_l: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[], shape=[BLOCK_N, HALF // 4])
-    out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[16, 2], warps_per_cta=[1, 8],
-                                           order=[0, 1])
-
     tiles_n = gl.cdiv(N, BLOCK_N)
     pid = gl.program_id(0)
     n0 = (pid % tiles_n) * BLOCK_N
     m0 = (pid // tiles_n) * BT
     groups = K // GROUP
-
     x_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BT, GROUP], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-    for i in gl.static_range(STAGES):  # groups 0 … STAGES − 1
-        mbarrier.expect(ready.index(i), BT * GROUP, pred=i < groups)
-        _tma_load(x_desc, [m0, i * GROUP], ready.index(i), x_s.index(i), pred=i < groups)
-
-    r_w = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_l))
-    c_w = gl.arange(0, HALF // 4, layout=gl.SliceLayout(0, ld_l))
-    w_ptrs = W_ptr + (n0 + r_w[:, None]).to(gl.int64) * stride_wn + c_w[None, :]
-    w_ok = (n0 + r_w < N)[:, None]
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))  # σ's rows and the epilogue's
-    n_ok = offs_n < N
-    s_ptrs = WS_ptr + offs_n.to(gl.int64) * stride_sn
-
-    zero = gl.zeros([BLOCK_N, BT], gl.float32, acc_l)
-    acc = zero
-    lo, hi = _unpack(gl.load(w_ptrs, mask=w_ok, other=0))
-    wb = gl.load(w_ptrs + HALF // 4, mask=w_ok & (groups > 1), other=0)
-    for g0 in range(0, groups, SYNC):
-        for j in gl.static_range(SYNC):
-            if g0 + j < groups:
-                acc, lo, hi, wb = _group(x_s, ready, w_ptrs, w_ok, s_ptrs, n_ok, zero, acc, lo, hi, wb, g0 + j,
-                                         groups, op_l, STAGES)
-        _cta_barrier()  # both warpgroups are past groups g0 … g0 + SYNC − 1: their buffers take the next ones
-        for j in gl.static_range(SYNC):  # (the ring's other groups are already in flight)
-            nxt = g0 + j + STAGES
-            slot = (g0 + j) % STAGES
-            mbarrier.expect(ready.index(slot), BT * GROUP, pred=nxt < groups)
-            _tma_load(x_desc, [m0, nxt * GROUP], ready.index(slot), x_s.index(slot), pred=nxt < groups)
+        mbarrier.init(empty.index(i), count=2)  # one arrival a warpgroup
+    hopper.fence_async_shared()  # the barriers' inits before the async proxy (TMA) uses them
+    gl.warp_specialize([
+        (_wg_consumer, (x_s, ready, empty, W_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, Y_ptr, M, N, stride_wn, stride_sn,
+                        stride_ym, n0, m0, groups, BT, STAGES, HAS_BIAS)),
+        (_wg_consumer, (x_s, ready, empty, W_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, Y_ptr, M, N, stride_wn, stride_sn,
+                        stride_ym, n0 + WG_ROWS, m0, groups, BT, STAGES, HAS_BIAS)),
+        (_x_producer, (x_desc, x_s, ready, empty, m0, groups, BT, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
-
-    offs_m = m0 + gl.arange(0, BT, layout=gl.SliceLayout(0, acc_l))
-    y = _epilogue(acc, AS_ptr, B_ptr, PTS_ptr, offs_n, offs_m, n_ok, offs_m < M, HAS_BIAS)
-    y = gl.convert_layout(y.to(Y_ptr.dtype.element_ty), out_l)  # consecutive channels a thread: 16-byte stores
-    on = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
-    om = m0 + gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
-    gl.store(Y_ptr + om[None, :].to(gl.int64) * stride_ym + on[:, None], y, mask=(on < N)[:, None] & (om < M)[None, :])
+        mbarrier.invalidate(empty.index(i))
 
 
 def w4a8_gemm_prefill_gluon(
@@ -192,8 +212,7 @@ def w4a8_gemm_prefill_gluon(
     out_dtype: torch.dtype = torch.bfloat16,
     *,
     block_t: int = DEFAULT_BT,
-    sync: int = DEFAULT_SYNC,
-    ring: int = DEFAULT_RING,
+    stages: int = DEFAULT_STAGES,
 ) -> torch.Tensor:
     """The GEMM alone, ``y = β · 2⁻ⁿ · Σ_g σ_g (x̂_g ŵ_gᵀ) + bias``, from ``x̂`` in fragment order.
 
@@ -206,8 +225,7 @@ def w4a8_gemm_prefill_gluon(
         pts_exp: ``int32 ()`` on the device.
         bias: ``(N,)`` or None.
         block_t: tokens per program (wgmma N: a multiple of 8, at most 256).
-        sync: groups between the warpgroups' meetings.
-        ring: the x̂ ring holds ``ring · sync`` groups (≥ 2).
+        stages: x̂ buffers in the ring (≥ 2).
 
     Returns:
         ``y (M, N)`` in ``out_dtype``.
@@ -226,7 +244,7 @@ def w4a8_gemm_prefill_gluon(
     _w4a8_prefill_gluon[grid](
         desc, qweight.view(torch.int32), x_scale, scales, x_scale if bias is None else bias, pts_exp, y,
         m, n, k, qweight.stride(0) // 4, scales.stride(0), y.stride(0),
-        BT=block_t, SYNC=sync, RING=ring, HAS_BIAS=bias is not None, num_warps=8)
+        BT=block_t, STAGES=stages, HAS_BIAS=bias is not None, num_warps=4)
     return y
 
 

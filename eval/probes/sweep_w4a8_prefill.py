@@ -1,5 +1,5 @@
 """Tile sweep of the Gluon W4A8 prefill GEMM (GPU): per (K → N, M) the GEMM alone on fragment-order x̂ for each
-(block_t, sync), next to the Triton tiled GEMM, bf16 ``F.linear`` and ``torch._scaled_mm`` (per-tensor FP8) in the
+(block_t, stages), next to the Triton tiled GEMM, bf16 ``F.linear`` and ``torch._scaled_mm`` (per-tensor FP8) in the
 same process, CUDA-graph replays (``bench_linear``'s harness, L2 flushed). Prints a table and writes
 ``sweep.csv`` under ``--out``: ``python eval/probes/sweep_w4a8_prefill.py --out DIR [--tokens 128 1024 4096]``."""
 
@@ -20,8 +20,7 @@ from quantpatch.kernels.w4a8_prefill_gluon import w4a8_gemm_prefill_gluon  # noq
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", type=Path, required=True)
 parser.add_argument("--tokens", type=int, nargs="+", default=[128, 1024, 4096])
-parser.add_argument("--tiles", nargs="*", default=["128x1x2", "128x2x2", "128x1x4", "64x1x2"],
-                    help="block_t x sync x ring")
+parser.add_argument("--tiles", nargs="*", default=["128x3", "128x4", "128x6", "64x4"], help="block_t x stages")
 parser.add_argument("--quant", nargs="*", default=["4096x4", "16384x16"],
                     help="also time the fragment-order quantization kernel at these BLOCK_K x num_warps")
 parser.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
@@ -47,9 +46,9 @@ for m, (k, n) in itertools.product(args.tokens, LLAMA_8B_SHAPES):
         impls[f"quant {q}"] = lambda block_k=block_k, warps=warps: wt._w4a8_quantize_activation_kernel[(m,)](
             x, frag[0], frag[1], k, x.stride(0), k, BLOCK_K=block_k, FRAGMENT=True, EMULATE=False, num_warps=warps)
     for tile in args.tiles:
-        bt, sync, ring = map(int, tile.split("x"))
-        impls[f"gluon {tile}"] = lambda bt=bt, sync=sync, ring=ring: w4a8_gemm_prefill_gluon(
-            *frag, qw, sc, pe, b, torch.bfloat16, block_t=bt, sync=sync, ring=ring)
+        bt, stages = map(int, tile.split("x"))
+        impls[f"gluon {tile}"] = lambda bt=bt, stages=stages: w4a8_gemm_prefill_gluon(
+            *frag, qw, sc, pe, b, torch.bfloat16, block_t=bt, stages=stages)
     times = {}
     for name, fn in impls.items():
         try:
