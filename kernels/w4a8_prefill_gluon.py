@@ -27,7 +27,7 @@ ahead: the same numerics bit for bit, 8-13 % slower at M = 4096 on an H200 (warp
 up to 10 % (weights four groups ahead) at the long-K and long-N shapes (eval/results/bench_linear/h200/NOTES.md,
 version 11). Two things measured and not kept: the product's wait right after its issue with the unpack and the
 σ load after it (ptxas then keeps the four wgmma in flight, no advisory C7513, but the kernel was no faster), and
-BT = 256 (a second accumulator set per warpgroup needs more than 232 registers: spills).
+BT = 256 (the accumulator and a group's product take 256 registers a thread: spills, 2.5× slower).
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def w4a8_gemm_prefill_gluon(
         pts_exp: ``int32 ()`` on the device.
         bias: ``(N,)`` or None.
         block_t: tokens per program (wgmma N: a multiple of 8, at most 256).
-        stages: x̂ buffers in the ring (≥ 2).
+        stages: x̂ buffers in the ring (≥ 1; from 2 on, loads overlap products).
 
     Returns:
         ``y (M, N)`` in ``out_dtype``.
@@ -234,6 +234,8 @@ def w4a8_gemm_prefill_gluon(
     _check_operands(m, k, qweight, scales)
     if not x_hat.is_contiguous() or x_hat.dtype != torch.float8_e4m3fn:
         raise ValueError("x_hat must be a contiguous float8_e4m3fn (M, K)")
+    if block_t % 8 or not 8 <= block_t <= 256 or stages < 1:
+        raise ValueError(f"block_t must be a multiple of 8 in [8, 256] and stages ≥ 1, got {block_t}, {stages}")
     n = qweight.shape[0]
     y = torch.empty((m, n), device=x_hat.device, dtype=out_dtype)
     if m == 0 or n == 0:

@@ -52,6 +52,18 @@ def test_quantization_of_many_long_rows_in_chunks(monkeypatch):
         assert torch.equal(x_hat.cpu().float(), want) and torch.equal(beta.cpu().float(), ref_beta[:, 0])
 
 
+@pytest.mark.parametrize("options", [dict(stages=0), dict(block_t=100), dict(block_t=512)])
+def test_prefill_gemm_rejects_bad_tiles_before_any_launch(options):
+    """Checked on the host (CPU tensors here), so a bad tile never reaches the kernel's compile or launch."""
+    from quantpatch.kernels import w4a8_prefill_gluon as wp
+
+    qw = torch.zeros(128, 64, dtype=torch.uint8)
+    sc = torch.ones(128, 1).to(torch.float8_e4m3fn)
+    x_hat = torch.zeros(16, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="block_t must be"):
+        wp.w4a8_gemm_prefill_gluon(x_hat, torch.ones(16, dtype=torch.bfloat16), qw, sc, torch.tensor(0), **options)
+
+
 def test_fragment_order_needs_whole_groups():
     with pytest.raises(ValueError, match="multiple of 128"):
         wt.quantize_activation_fp8(torch.zeros(2, 200), fragment_order=True)
