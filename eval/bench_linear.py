@@ -24,11 +24,11 @@ over several input sets; TFLOPS = 2·M·N·K / t. Each implementation is timed t
 ``eager``, the Python call as is (host overhead included where the GPU waits for it), and
 ``graph``, the same call captured once per input set in a CUDA graph and replayed (as a decode
 server runs; launch overhead gone). With ``--stream L``, also ``stream``: L distinct layers of the shape
-(bf16, FP8 and W4A8 weights each, more than L2 holds) called one after the other on the same input in one CUDA graph,
-the replay's time / L, as a model's decode step runs its projections: weights from HBM, no L2 flush or timing event
-between two layers (``do_bench`` still flushes before each replay). Ratios are the baselines' times over each row's
-time, same run and same mode (> 1: faster than the baseline). Accuracy: relative L1 against the bf16
-``F.linear`` output on the same inputs (M = ``--acc-m`` tokens of N(0, 1), weights N(0, 0.02²)).
+(bf16, FP8 and W4A8 weights each; 16 of them exceed L2 at these shapes) called one after the other on the same
+input in one CUDA graph, the replay's time / L, as a model's decode step runs its projections: weights from HBM, no
+L2 flush or timing event between two layers (``do_bench`` still flushes before each replay). Ratios are the
+baselines' times over each row's time, same run and same mode (> 1: faster than the baseline). Accuracy: relative
+L1 against the bf16 ``F.linear`` output on the same inputs (M = ``--acc-m`` tokens of N(0, 1), weights N(0, 0.02²)).
 ``--tune`` times the layer's configurations instead (``w4a8_linear_2d``, quantization included, as
 CUDA-graph replays: GPU time; decode kernel for M ≤ 16, tiled above;
 ``tune.csv``, and ``best_table.json``: the best configuration per M bucket, which ``--configs``
@@ -136,9 +136,23 @@ def _timer(device: torch.device) -> Callable:
     return bench if device.type == "cuda" else cpu_time
 
 
+def _measured_row(args, fn: Callable[[int], object], n_sets: int, mode: str, k: int, n: int, m: int, impl: str,
+                  calls: int = 1) -> dict | None:
+    """``fn(i)`` over ``n_sets`` input sets, timed as called (``eager``, and every mode on the CPU) or as CUDA-graph
+    replays, as a speed row with the time of one layer call (``fn`` makes ``calls`` of them); None, with a warning,
+    where ``fn`` cannot take the shape (a baseline the GPU lacks)."""
+    try:
+        run = graph_replays(fn, n_sets) if mode != "eager" and args.device.type == "cuda" else fn
+        run(0)
+        ms = _timer(args.device)(run, n_sets, args.warmup, args.rep) / calls
+    except RuntimeError as err:
+        logger.warning("%s (%s) failed at M=%d K=%d N=%d: %s", impl, mode, m, k, n, err)
+        return None
+    return dict(k=k, n=n, m=m, impl=impl, mode=mode, ms=ms, tflops=2.0 * m * n * k / (ms * 1e-3) / 1e12)
+
+
 def speed_rows(args) -> list[dict]:
     rows = []
-    time_fn = _timer(args.device)
     kernels = args.device.type == "cuda"
     modes = ("eager", "graph") if kernels else ("eager",)
     if kernels:
@@ -147,19 +161,13 @@ def speed_rows(args) -> list[dict]:
         layer = Layer(k, n, args.device, seed=k + n)
         n_sets = max(1, min(4, L2_ROTATE_BYTES // (m * k * 2 + n * k * 2)))
         xs = _inputs(m, k, n_sets, args.device, seed=m)
-        fl = 2.0 * m * n * k
         shape_rows = []
 
         def timed(impl, fn):
             for mode in modes:
-                try:
-                    run = graph_replays(fn, n_sets) if mode == "graph" else fn
-                    run(0)
-                    ms = time_fn(run, n_sets, args.warmup, args.rep)
-                except RuntimeError as err:  # a baseline that cannot take the shape
-                    logger.warning("%s (%s) failed at M=%d K=%d N=%d: %s", impl, mode, m, k, n, err)
-                    continue
-                shape_rows.append(dict(k=k, n=n, m=m, impl=impl, mode=mode, ms=ms, tflops=fl / (ms * 1e-3) / 1e12))
+                row = _measured_row(args, fn, n_sets, mode, k, n, m, impl)
+                if row is not None:
+                    shape_rows.append(row)
 
         timed("bf16", lambda i: torch.nn.functional.linear(xs[i], layer.weight))
         fp8 = [layer.fp8_operands(x) for x in xs]
@@ -205,7 +213,6 @@ def _with_ratios(shape_rows: list[dict]) -> list[dict]:
 def stream_rows(args) -> list[dict]:
     """``stream`` rows (module docstring): per shape, ``args.stream`` layers built once, then each M."""
     rows = []
-    time_fn = _timer(args.device)
     for k, n in args.shapes:
         layers = [Layer(k, n, args.device, seed=k + n + i) for i in range(args.stream)]
         for m in args.tokens:
@@ -216,14 +223,9 @@ def stream_rows(args) -> list[dict]:
             for kind in ("tensor", "rowwise"):
                 impls[f"fp8-{kind}"] = lambda kind=kind: [layer.scaled_mm(kind, *ops[kind])
                                                           for layer, ops in zip(layers, fp8)]
-            shape_rows = []
-            for impl, fn in impls.items():
-                run = graph_replays(lambda i, fn=fn: fn(), 1) if args.device.type == "cuda" else lambda i, fn=fn: fn()
-                run(0)
-                ms = time_fn(run, 1, args.warmup, args.rep) / args.stream
-                shape_rows.append(dict(k=k, n=n, m=m, impl=impl, mode="stream", ms=ms,
-                                       tflops=2.0 * m * n * k / (ms * 1e-3) / 1e12))
-            rows += _with_ratios(shape_rows)
+            measured = (_measured_row(args, lambda i, fn=fn: fn(), 1, "stream", k, n, m, impl, calls=args.stream)
+                        for impl, fn in impls.items())
+            rows += _with_ratios([row for row in measured if row is not None])
         layers = fp8 = None
         if args.device.type == "cuda":
             torch.cuda.empty_cache()

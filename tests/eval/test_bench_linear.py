@@ -59,3 +59,20 @@ def test_accuracy_orders_int4_below_fp8_weights(quick_run):
     w4, fp8 = float(acc["w4a8 e2e"]["rel_l1_vs_bf16"]), float(acc["fp8-rowwise"]["rel_l1_vs_bf16"])
     assert 0 < fp8 < w4 < 0.2
     assert int(acc["w4a8 e2e"]["bf16_weight_bytes"]) / int(acc["w4a8 e2e"]["weight_bytes"]) >= 3.5
+
+
+def test_a_baseline_that_cannot_run_is_warned_and_left_out(tmp_path, monkeypatch, caplog):
+    """A GPU without FP8 GEMMs: ``_scaled_mm`` raises; every mode, the streams included, warns and goes on."""
+    pytest.importorskip("matplotlib")
+    module = load_eval_script("bench_linear.py")
+
+    def no_fp8(self, kind, x_fp8, x_scale):
+        raise RuntimeError("no FP8 GEMM here")
+
+    monkeypatch.setattr(module.Layer, "scaled_mm", no_fp8)
+    with caplog.at_level("WARNING"):
+        module.main(["--quick", "--device", "cpu", "--stream", "2", "--no-accuracy", "--out", str(tmp_path)])
+    rows = _read_csv(tmp_path / "speed.csv")
+    assert {(r["impl"], r["mode"]) for r in rows} == {(i, mode) for i in ("bf16", "w4a8 e2e")
+                                                      for mode in ("eager", "stream")}
+    assert sum("no FP8 GEMM here" in r.getMessage() for r in caplog.records) == 2 * 2 * 2  # 2 kinds, 2 M, 2 modes
