@@ -53,7 +53,6 @@ HALF = gl.constexpr(GROUP_SIZE // 2)  # bytes of one group of one output channel
 SIGMA_SHIFT = gl.constexpr(512.0)  # 2⁹: the operand is ŵ · 2⁻⁹
 DEFAULT_BT = 128  # tokens per program (wgmma N)
 DEFAULT_STAGES = 4  # x̂ buffers in the ring (H200: 4 as good as or better than 2, 3 and 6, NOTES version 11)
-WEIGHT_AHEAD = gl.constexpr(4)  # a group's weights are requested this many groups before their product
 CONSUMER_REGS = gl.constexpr(232)  # registers of a consumer thread (setmaxnreg): 2 · 128 · 232 + 128 · 24 ≤ 64 K
 PRODUCER_REGS = gl.constexpr(24)  # the least setmaxnreg takes
 
@@ -148,7 +147,7 @@ def _wg_consumer(x_s, ready, empty, W_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, Y_ptr
         lo_next, hi_next = _unpack(w1)
         w1 = w2
         w2 = w3
-        w3 = gl.load(w_ptrs + (g + WEIGHT_AHEAD) * (HALF // 4), mask=w_ok & (g + WEIGHT_AHEAD < groups), other=0)
+        w3 = gl.load(w_ptrs + (g + 4) * (HALF // 4), mask=w_ok & (g + 4 < groups), other=0)  # four groups ahead
         # the operand's words (its registers) dependencies of the wait: they stay the wgmma's until it retires
         # (else group g + 1's unpack may be given them, and ptxas serializes every wgmma)
         part, lo, hi = hopper.warpgroup_mma_wait(0, deps=[tok, lo, hi])
