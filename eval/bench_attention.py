@@ -87,6 +87,18 @@ def bench(fn: Callable[[int], object], n_sets: int, warmup: int, rep: int) -> fl
                                          return_mode="median"))
 
 
+def graph_times(impls: dict[str, Callable[[], object]], label: str, rep: int) -> dict[str, float]:
+    """Median milliseconds of each ``impls`` entry as CUDA-graph replays (:func:`graph_replays`); an entry that
+    fails (a configuration that does not compile) is reported under ``label`` and left out."""
+    times = {}
+    for name, fn in impls.items():
+        try:
+            times[name] = bench(graph_replays(lambda i, fn=fn: fn(), 1), 1, 10, rep)
+        except Exception as err:  # noqa: BLE001 (say so, go on)
+            print(f"{label} {name}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+    return times
+
+
 def warm_up_on_side_stream(fn: Callable[[int], object], n_sets: int) -> torch.cuda.Stream:
     """``fn(i)`` for every input set on a side stream (compilation and cached workspaces before a CUDA-graph
     capture, which needs them made outside it); the current stream waits for it. Returns the side stream."""

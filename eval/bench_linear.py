@@ -177,8 +177,8 @@ def speed_rows(args) -> list[dict]:
         if kernels:
             args_w = layer.w4a8_args()
             gluon = wt.uses_gluon(m, n, k, args.device)
-            prefill = gluon and wt.gemm_config(m, n, k)["kernel"] != "decode"  # x̂ in fragment order
-            quant = [wt.quantize_activation_fp8(x, fragment_order=prefill) for x in xs]
+            prefill = gluon and wt.gemm_config(m, n, k)["kernel"] != "decode"
+            quant = [wt.quantize_activation_fp8(x, fragment_order=gluon) for x in xs]  # both Gluon GEMMs' order
             if prefill:
                 from quantpatch.kernels.w4a8_prefill_gluon import w4a8_gemm_prefill_gluon as gemm
             elif gluon:
@@ -186,7 +186,7 @@ def speed_rows(args) -> list[dict]:
             else:
                 gemm = wt.w4a8_gemm
             timed("w4a8 gemm", lambda i: gemm(*quant[i], *args_w, torch.bfloat16))
-            timed("w4a8 quant", lambda i: wt.quantize_activation_fp8(xs[i], fragment_order=prefill))
+            timed("w4a8 quant", lambda i: wt.quantize_activation_fp8(xs[i], fragment_order=gluon))
             if gluon:  # the Triton decode or tiled path on the same inputs
                 cfg = wt.gemm_config(m, n, k)
                 timed("triton e2e", lambda i: wt.w4a8_linear_2d(xs[i], *args_w, config=cfg))

@@ -40,64 +40,17 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .compiled_launch import cdiv
-from .w4a8_gluon import _epilogue
+from .w4a8_gluon_operand import GROUP, HALF, SIGMA_SHIFT, WG_ROWS, WORDS_L, _epilogue, _unpack, _weight_operand
 from .w4a8_ref import GROUP_SIZE
 from .w4a8_triton import _check_operands, quantize_activation_fp8
 
 # the TMA load: tma.async_copy_global_to_shared in Triton 3.6, tma.async_load from 3.7 on
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 BLOCK_N = gl.constexpr(128)  # output channels per program: two consumer warpgroups'
-WG_ROWS = gl.constexpr(64)  # output channels of a consumer warpgroup: its wgmma M
-GROUP = gl.constexpr(GROUP_SIZE)  # input channels per scale: one x̂ tile's width
-HALF = gl.constexpr(GROUP_SIZE // 2)  # bytes of one group of one output channel
-SIGMA_SHIFT = gl.constexpr(512.0)  # 2⁹: the operand is ŵ · 2⁻⁹
 DEFAULT_BT = 128  # tokens per program (wgmma N)
 DEFAULT_STAGES = 4  # x̂ buffers in the ring (H200: 4 as good as or better than 2, 3 and 6, NOTES version 11)
 CONSUMER_REGS = gl.constexpr(232)  # registers of a consumer thread (setmaxnreg): 2 · 128 · 232 + 128 · 24 ≤ 64 K
 PRODUCER_REGS = gl.constexpr(24)  # the least setmaxnreg takes
-
-# Two's complement INT4 → e4m3 bits of v · 2⁻⁹. In: a word of 4 packed bytes ($2). Out: their low nibbles ($0)
-# and high nibbles ($1), a byte each. v ≥ 0: the byte v (subnormal v · 2⁻⁹); v < 0: 0x80 | (16 − n) = 0x90 − n
-# (sign, |v| · 2⁻⁹; |v| = 8 is 2⁻⁶, exponent 1). prmt 0xBA98 spreads each byte's sign bit over the byte (the
-# mask), lop3 0xD8 picks (mask ? b : a).
-_UNPACK_ASM = gl.constexpr("""{
-.reg .b32 xl, xh, nl, nh, ml, mh, t;
-and.b32 xl, $2, 0x0F0F0F0F;
-shr.u32 t, $2, 4;
-and.b32 xh, t, 0x0F0F0F0F;
-shl.b32 t, $2, 4;
-prmt.b32 ml, t, 0, 0xBA98;
-prmt.b32 mh, $2, 0, 0xBA98;
-sub.u32 nl, 0x90909090, xl;
-sub.u32 nh, 0x90909090, xh;
-lop3.b32 $0, xl, nl, ml, 0xD8;
-lop3.b32 $1, xh, nh, mh, 0xD8;
-}""")
-
-
-@gluon.jit
-def _unpack(wb):
-    """Packed words ``int32 [128, 16]`` → ``(low, high)`` nibbles as e4m3 bits of ``v · 2⁻⁹``, 4 a word."""
-    return gl.inline_asm_elementwise(_UNPACK_ASM, "=r,=r,r", [wb], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-
-
-@gluon.jit
-def _word_bytes(w):
-    """``int32 [R, C]`` → ``int8 [R, 4C]``, byte ``i`` of word ``c`` at ``4c + i`` (register renaming)."""
-    t = gl.join(gl.join(w.to(gl.int8), (w >> 16).to(gl.int8)), gl.join((w >> 8).to(gl.int8), (w >> 24).to(gl.int8)))
-    return gl.reshape(t, [w.shape[0], 4 * w.shape[1]])
-
-
-@gluon.jit
-def _weight_operand(lo, hi, op_l: gl.constexpr):
-    """The unpacked words of a group → the e4m3 A operand ``[rows, 128]`` in fragment order: byte ``16q + 4s + j``
-    of a row holds slots ``32s + 4q + j`` (low nibble) and ``32s + 16 + 4q + j`` (high nibble)."""
-    rows: gl.constexpr = lo.shape[0]
-    t = gl.join(_word_bytes(lo), _word_bytes(hi))  # [rows, 64, 2]
-    t = gl.permute(gl.reshape(t, [rows, 4, 4, 4, 2]), (0, 2, 4, 1, 3))  # (q, s, j, h) → (s, h, q, j)
-    t = gl.reshape(t, [rows, GROUP]).to(gl.float8e4nv, bitcast=True)
-    return gl.convert_layout(t, op_l)
-
 
 @gluon.jit
 def _x_producer(x_desc, x_s, ready, empty, m0, groups, BT: gl.constexpr, STAGES: gl.constexpr):
@@ -117,14 +70,10 @@ def _wg_consumer(x_s, ready, empty, W_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, Y_ptr
     two) as soon as its product retired; it never meets the other warpgroup."""
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 32])
     op_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
-    # a group's words as a thread needs them: 4 contiguous (one 16-byte load) for rows r and r + 8, as in acc_l
-    ld_l: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[WG_ROWS, HALF // 4])
     out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, 4],
                                            order=[0, 1])
-    r_w = gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, ld_l))
-    c_w = gl.arange(0, HALF // 4, layout=gl.SliceLayout(0, ld_l))
+    r_w = gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, WORDS_L))
+    c_w = gl.arange(0, HALF // 4, layout=gl.SliceLayout(0, WORDS_L))
     w_ptrs = W_ptr + (n0 + r_w[:, None]).to(gl.int64) * stride_wn + c_w[None, :]
     w_ok = (n0 + r_w < N)[:, None]
     offs_n = n0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, acc_l))  # σ's rows and the epilogue's

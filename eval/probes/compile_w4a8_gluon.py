@@ -18,7 +18,7 @@ bm = int(sys.argv[2]) if len(sys.argv) > 2 else 16
 split = int(sys.argv[3]) if len(sys.argv) > 3 else 4
 fused = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 qblock = int(sys.argv[5]) if len(sys.argv) > 5 else 4096
-types = dict(X_ptr="*bf16", XQ_ptr="*fp8e4nv", XP_ptr="*i16", W_ptr="*u8",
+types = dict(X_ptr="*bf16", XQ_ptr="*fp8e4nv", W_ptr="*i32",
              AS_ptr="*bf16", WS_ptr="*fp8e4nv", B_ptr="*bf16", PTS_ptr="*i32", P_ptr="*fp32", C_ptr="*i32",
              Y_ptr="*bf16")
 constexprs = dict(BM=bm, GPC=gpc, CHUNKS=chunks, SPLIT_K=split, FUSED=fused, QBLOCK=qblock, HAS_BIAS=True)

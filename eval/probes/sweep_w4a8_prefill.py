@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_attention import bench, graph_replays, write_csv  # noqa: E402
+from bench_attention import graph_times, write_csv  # noqa: E402
 from bench_linear import LLAMA_8B_SHAPES, Layer  # noqa: E402
 
 from quantpatch.kernels import w4a8_triton as wt  # noqa: E402
@@ -49,14 +49,7 @@ for m, (k, n) in itertools.product(args.tokens, LLAMA_8B_SHAPES):
         bt, stages = map(int, tile.split("x"))
         impls[f"gluon {tile}"] = lambda bt=bt, stages=stages: w4a8_gemm_prefill_gluon(
             *frag, qw, sc, pe, b, torch.bfloat16, block_t=bt, stages=stages)
-    times = {}
-    for name, fn in impls.items():
-        try:
-            ms = bench(graph_replays(lambda i, fn=fn: fn(), 1), 1, 10, args.rep)
-        except Exception as err:  # noqa: BLE001 (a configuration that does not compile: say so, go on)
-            print(f"K={k} N={n} M={m} {name}: {type(err).__name__}: {str(err)[:200]}", flush=True)
-            continue
-        times[name] = ms
+    times = graph_times(impls, f"K={k} N={n} M={m}", args.rep)
     fl = 2.0 * m * n * k
     for name, ms in times.items():
         row = dict(k=k, n=n, m=m, impl=name, ms=ms, tflops=fl / (ms * 1e-3) / 1e12,

@@ -28,20 +28,20 @@ def _stamp(T_ptr, slot):
 
 '''
 EDITS = [  # (anchor, replacement): every anchor must be found once
-    ("@gluon.jit\ndef _unpack_int4(wb):", STAMP + "@gluon.jit\ndef _unpack_int4(wb):"),
+    ("@gluon.jit\ndef _fragment_slot(c):", STAMP + "@gluon.jit\ndef _fragment_slot(c):"),
     ("stride_xm, QBLOCK: gl.constexpr):", "stride_xm, QBLOCK: gl.constexpr, T_ptr):"),
     ("    offs = gl.arange(0, QBLOCK, layout=q_l)\n",
      "    _stamp(T_ptr, gl.program_id(0) * 8)\n    offs = gl.arange(0, QBLOCK, layout=q_l)\n"),
     ('    gl.atomic_add(C_ptr, 1, sem="release", scope="gpu")\n',
      '    gl.atomic_add(C_ptr, 1, sem="release", scope="gpu")\n    _stamp(T_ptr, gl.program_id(0) * 8 + 1)\n'),
-    ("    c, W_ptr, XP_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,",
-     "    c, W_ptr, XP_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr, T_ptr,"),
+    ("    c, W_ptr, XQ_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,",
+     "    c, W_ptr, XQ_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr, T_ptr,"),
     ("    tiles = gl.cdiv(N, BLOCK_N)\n",
      "    TS = gl.program_id(0) * 8\n    _stamp(T_ptr, TS)\n    tiles = gl.cdiv(N, BLOCK_N)\n"),
     ('            pass\n', '            pass\n    _stamp(T_ptr, TS + 1)\n'),
-    ("    acc = _chunk_mma(acc, wb, xp, sig, xe_s, xo_s, sig_s, acc_l, op_l, BM, GPC)\n\n",
-     "    _stamp(T_ptr, TS + 2)\n    acc = _chunk_mma(acc, wb, xp, sig, xe_s, xo_s, sig_s, acc_l, op_l, BM, GPC)\n"
-     "    _stamp(T_ptr, TS + 3)\n\n"),
+    ("        acc = _chunk_mma(acc, wb, sig, x_s, i % 2, acc_l, op_l, GPC)\n",  # the last chunk's stamps stay
+     "        _stamp(T_ptr, TS + 2)\n        acc = _chunk_mma(acc, wb, sig, x_s, i % 2, acc_l, op_l, GPC)\n"
+     "        _stamp(T_ptr, TS + 3)\n"),
     ('        ticket = gl.atomic_add(C_ptr + 2 + tile, 1, sem="acq_rel", scope="gpu")\n',
      '        ticket = gl.atomic_add(C_ptr + 2 + tile, 1, sem="acq_rel", scope="gpu")\n'
      '        _stamp(T_ptr, TS + 4)\n'),
@@ -49,10 +49,10 @@ EDITS = [  # (anchor, replacement): every anchor must be found once
      "            gl.atomic_xchg(C_ptr + 2 + tile, 0)\n    _stamp(T_ptr, TS + 5)\n"),
     ("P_ptr, C_ptr, Y_ptr,\n    M, N, K,", "P_ptr, C_ptr, Y_ptr, T_ptr,\n    M, N, K,"),
     ("stride_xm, QBLOCK)", "stride_xm, QBLOCK, T_ptr)"),
-    ("_gemm_program(pid - M, W_ptr, XP_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,",
-     "_gemm_program(pid - M, W_ptr, XP_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr, T_ptr,"),
-    ("        _gemm_program(pid, W_ptr, XP_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,",
-     "        _gemm_program(pid, W_ptr, XP_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr, T_ptr,"),
+    ("_gemm_program(pid - M, W_ptr, XQ_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,",
+     "_gemm_program(pid - M, W_ptr, XQ_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr, T_ptr,"),
+    ("        _gemm_program(pid, W_ptr, XQ_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr,",
+     "        _gemm_program(pid, W_ptr, XQ_ptr, AS_ptr, WS_ptr, B_ptr, PTS_ptr, P_ptr, C_ptr, Y_ptr, T_ptr,"),
     ("    plan = _PLANS.get(key)\n", "    plan = None  # (traced: every call compiles-or-looks-up through run)\n"),
     ("pts_exp, work, counters, y,\n        *ints, num_warps=4)",
      "pts_exp, work, counters, y, TRACE,\n        *ints, num_warps=4)"),

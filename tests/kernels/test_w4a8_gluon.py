@@ -22,7 +22,7 @@ def _check(m, n, k, *, seed, gps=None, gpc=None, pts=True, bias=True, dtype=torc
 
     packed, (qw, sc, pe, b) = _layer(n, k, seed=seed, pts=pts, bias=bias)
     x = _randn(m, k, seed=seed + 2).to(dtype)
-    x_hat, beta = wt.quantize_activation_fp8(x.cuda())
+    x_hat, beta = wt.quantize_activation_fp8(x.cuda(), fragment_order=True)
     y = wg.w4a8_gemm_gluon(x_hat, beta, qw, sc, pe, b, dtype, gps=gps, gpc=gpc)
     assert y.shape == (m, n) and y.dtype == dtype
     _assert_within_bound(y, x, packed, b, dtype)
@@ -73,8 +73,8 @@ def test_gpu_gluon_gemm_options(pts, bias, dtype):
 @pytest.mark.parametrize("n, k, dtype", [(4096, 4096, torch.bfloat16), (200, 384, torch.float16),
                                          (300, 2048, torch.float32), (1000, 14336, torch.bfloat16)])
 def test_gpu_gluon_layer(m, n, k, dtype):
-    """The layer: output bit for bit that of quantizing first (:func:`quantize_activation_fp8`) and then the
-    Gluon GEMM; fused (K ≤ DECODE_QBLOCK, one launch) x̂ and β in the workspace bit for bit those of
+    """The layer: output bit for bit that of quantizing first (:func:`quantize_activation_fp8`, fragment order)
+    and then the Gluon GEMM; fused (K ≤ DECODE_QBLOCK, one launch) x̂ and β in the workspace bit for bit those of
     :func:`quantize_activation_fp8` and the flag, count and tickets back at 0; deterministic."""
     from quantpatch.kernels import w4a8_gluon as wg
     from quantpatch.kernels import w4a8_triton as wt
@@ -82,7 +82,7 @@ def test_gpu_gluon_layer(m, n, k, dtype):
     _, (qw, sc, pe, b) = _layer(n, k, seed=m + k)
     x = (_randn(m, k, seed=k + 1) * _randn(1, k, seed=2).exp()).to(dtype).cuda()
     y = wg.w4a8_linear_gluon(x, qw, sc, pe, b)
-    x_hat, beta = wt.quantize_activation_fp8(x)
+    x_hat, beta = wt.quantize_activation_fp8(x, fragment_order=True)
     assert torch.equal(y, wg.w4a8_gemm_gluon(x_hat, beta, qw, sc, pe, b, dtype))
     key = wt._stream_key(y.device)
     if k <= wt.DECODE_QBLOCK:
