@@ -35,7 +35,17 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from .compiled_launch import cdiv, next_pow2, relaunch
-from .w4a8_gluon_operand import GROUP, HALF, SIGMA_SHIFT, WG_ROWS, WORDS_L, _epilogue, _unpack, _weight_operand
+from .w4a8_gluon_operand import (
+    GROUP,
+    HALF,
+    SIGMA_SHIFT,
+    WG_ROWS,
+    WORDS_L,
+    _epilogue,
+    _unpack,
+    _weight_operand,
+    weight_words,
+)
 from .w4a8_ref import GROUP_SIZE
 from .w4a8_triton import (
     _SCRATCH,
@@ -302,7 +312,7 @@ def _launch(x, x_hat, beta, qweight, scales, pts_exp, bias, y, gps: int | None, 
         beta = _SCRATCH[(skey, "beta")]
     else:
         x = x_hat
-    args = (x, x_hat, qweight.view(torch.int32), beta, scales, beta if bias is None else bias, pts_exp,
+    args = (x, x_hat, weight_words(qweight), beta, scales, beta if bias is None else bias, pts_exp,
             _SCRATCH[(skey, "gluon_partials")] if split else y, _SCRATCH[(skey, "gluon_counters")], y, *ints)
     relaunch(kernel, (grid, 1, 1), skey[1], args)
 
@@ -330,7 +340,7 @@ def _first_launch(x, x_hat, beta, qweight, scales, pts_exp, bias, y, gps, gpc, s
     ints = (m, n, k, x.stride(0), qweight.stride(0) // 4, scales.stride(0), y.stride(0),
             8 if m <= 8 else 16, gpc, chunks, split, fused, max(1024, next_pow2(k)), bias is not None)
     kernel = _w4a8_decode_gluon[(grid,)](
-        x, x_hat, qweight.view(torch.int32), beta, scales, beta if bias is None else bias, pts_exp, work, counters, y,
+        x, x_hat, weight_words(qweight), beta, scales, beta if bias is None else bias, pts_exp, work, counters, y,
         *ints, num_warps=4)
     return kernel, grid, split > 1, ints
 

@@ -9,6 +9,7 @@ fragment order (:func:`~quantpatch.kernels.w4a8_triton.fragment_slots`). σ is t
 (:data:`SIGMA_SHIFT`): powers of two, so every product and partial is that of ``ŵ`` and ``σ`` exactly.
 """
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -23,6 +24,15 @@ SIGMA_SHIFT = gl.constexpr(512.0)  # 2⁹: the operand is ŵ · 2⁻⁹
 WORDS_L = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
     warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, GROUP_SIZE // 8]))
+
+def weight_words(qweight: torch.Tensor) -> torch.Tensor:
+    """``qweight uint8 (N, K/2)`` as the ``int32 (N, K/8)`` words the kernels load; a ValueError where its row
+    stride or address is not a multiple of 4 bytes (a view the words cannot be read from)."""
+    if qweight.stride(0) % 4 or qweight.data_ptr() % 4:
+        raise ValueError(f"the Gluon W4A8 GEMMs read qweight as 4-byte words: its row stride ({qweight.stride(0)}) "
+                         "and address must be multiples of 4 (pass a contiguous copy)")
+    return qweight.view(torch.int32)
+
 
 # Two's complement INT4 → e4m3 bits of v · 2⁻⁹. In: a word of 4 packed bytes ($2). Out: their low nibbles ($0)
 # and high nibbles ($1), a byte each. v ≥ 0: the byte v (subnormal v · 2⁻⁹); v < 0: 0x80 | (16 − n) = 0x90 − n

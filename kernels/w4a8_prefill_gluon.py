@@ -40,7 +40,17 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .compiled_launch import cdiv
-from .w4a8_gluon_operand import GROUP, HALF, SIGMA_SHIFT, WG_ROWS, WORDS_L, _epilogue, _unpack, _weight_operand
+from .w4a8_gluon_operand import (
+    GROUP,
+    HALF,
+    SIGMA_SHIFT,
+    WG_ROWS,
+    WORDS_L,
+    _epilogue,
+    _unpack,
+    _weight_operand,
+    weight_words,
+)
 from .w4a8_ref import GROUP_SIZE
 from .w4a8_triton import _check_operands, quantize_activation_fp8
 
@@ -192,7 +202,7 @@ def w4a8_gemm_prefill_gluon(
     desc = TensorDescriptor.from_tensor(x_hat, [block_t, GROUP_SIZE], layout)
     grid = (cdiv(n, BLOCK_N.value) * cdiv(m, block_t),)
     _w4a8_prefill_gluon[grid](
-        desc, qweight.view(torch.int32), x_scale, scales, x_scale if bias is None else bias, pts_exp, y,
+        desc, weight_words(qweight), x_scale, scales, x_scale if bias is None else bias, pts_exp, y,
         m, n, k, qweight.stride(0) // 4, scales.stride(0), y.stride(0),
         BT=block_t, STAGES=stages, HAS_BIAS=bias is not None, num_warps=4)
     return y

@@ -173,3 +173,18 @@ def test_gpu_gluon_launch_plans_follow_the_callers_layout_and_stream():
     for stream in (torch.cuda.current_stream(), side):
         with torch.cuda.stream(stream):
             assert not wt._SCRATCH[(wt._stream_key(ref.device), "gluon_counters")].any()
+
+
+def test_weight_words_rejects_views_the_words_cannot_be_read_from():
+    """Both Gluon GEMMs read qweight as int32 words: a row stride or an address off a multiple of 4 is a clear
+    ValueError on the host, not a torch view error or a misaligned load."""
+    from quantpatch.kernels.w4a8_gluon_operand import weight_words
+
+    q = torch.arange(4 * 68, dtype=torch.int32).to(torch.uint8).view(4, 68)
+    words = weight_words(q[:, :64].contiguous())
+    assert words.shape == (4, 16) and words.dtype == torch.int32
+    assert torch.equal(words.view(torch.uint8), q[:, :64])
+    with pytest.raises(ValueError, match="4-byte words"):
+        weight_words(torch.zeros(4, 66, dtype=torch.uint8)[:, :64])  # row stride 66
+    with pytest.raises(ValueError, match="4-byte words"):
+        weight_words(q.view(-1)[1:257].view(4, 64))  # address + 1
