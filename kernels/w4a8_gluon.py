@@ -199,9 +199,7 @@ def _gemm_program(
             wb, sig = wb_next, sig_next
 
     # 4. epilogue, or this run's partial and the tile's ticket C[2 + tile] (the last run sums all partials in order)
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
     offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
-    n_ok = offs_n < N
     m_ok = offs_m < M
     mask = n_ok[:, None] & m_ok[None, :]
     y_ptrs = Y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -312,7 +310,9 @@ def _launch(x, x_hat, beta, qweight, scales, pts_exp, bias, y, gps: int | None, 
         beta = _SCRATCH[(skey, "beta")]
     else:
         x = x_hat
-    args = (x, x_hat, weight_words(qweight), beta, scales, beta if bias is None else bias, pts_exp,
+    # qweight as it is: the launcher reads only its address, which the plan's first launch checked as words
+    # (weight_words) at this key's alignment and row stride
+    args = (x, x_hat, qweight, beta, scales, beta if bias is None else bias, pts_exp,
             _SCRATCH[(skey, "gluon_partials")] if split else y, _SCRATCH[(skey, "gluon_counters")], y, *ints)
     relaunch(kernel, (grid, 1, 1), skey[1], args)
 
