@@ -188,3 +188,18 @@ def test_weight_words_rejects_views_the_words_cannot_be_read_from():
         weight_words(torch.zeros(4, 66, dtype=torch.uint8)[:, :64])  # row stride 66
     with pytest.raises(ValueError, match="4-byte words"):
         weight_words(q.view(-1)[1:257].view(4, 64))  # address + 1
+
+
+def test_gemm_takes_only_contiguous_e4m3_x_hat():
+    """``w4a8_gemm_gluon`` reads x̂ as e4m3 bytes in fragment order: another dtype or a strided view is a ValueError
+    on the host, before any launch."""
+    from quantpatch.kernels import w4a8_gluon as wg
+
+    qw = torch.zeros(64, 64, dtype=torch.uint8)
+    sc = torch.ones(64, 1).to(torch.float8_e4m3fn)
+    beta = torch.ones(2, dtype=torch.bfloat16)
+    pe = torch.zeros((), dtype=torch.int32)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        wg.w4a8_gemm_gluon(torch.zeros(2, 128, dtype=torch.bfloat16), beta, qw, sc, pe)
+    with pytest.raises(ValueError, match="contiguous"):
+        wg.w4a8_gemm_gluon(torch.zeros(2, 256).to(torch.float8_e4m3fn)[:, :128], beta, qw, sc, pe)
