@@ -3,7 +3,9 @@
 ``kernels/_w4a8_traced.py`` and removed after), launched without plans at M = 16 after an L2 flush; prints, per
 phase, percentiles over the programs of the time since the first program started (µs).
 
-    python eval/probes/trace_w4a8_gluon.py [K N ...]      # default: 4096 4096  14336 4096  4096 14336
+    python eval/probes/trace_w4a8_gluon.py [--gemm] [K N ...]   # default: 4096 4096  14336 4096  4096 14336
+
+``--gemm``: the GEMM alone on x̂ quantized before the flush (no token programs, no flag; x̂ then comes from DRAM).
 
 Stamps: token programs (fused): start, after the flag count; GEMM programs: start, past the flag wait, before the
 last chunk's dots (x̂ of a one-chunk run just requested), after them, after the split-K ticket, at the end."""
@@ -83,25 +85,36 @@ def main() -> None:
     from bench_linear import Layer
 
     tm = traced_module()
-    args = [int(a) for a in sys.argv[1:]] or [4096, 4096, 14336, 4096, 4096, 14336]
+    from quantpatch.kernels.w4a8_triton import quantize_activation_fp8
+
+    gemm_alone = sys.argv[1:2] == ["--gemm"]
+    args = [int(a) for a in sys.argv[1 + gemm_alone:]] or [4096, 4096, 14336, 4096, 4096, 14336]
     flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
     for k, n in zip(args[::2], args[1::2]):
         layer = Layer(k, n, torch.device("cuda"), 0)
         qw, sc, pe, bias = layer.w4a8_args()
         x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+        x_hat = quantize_activation_fp8(x, fragment_order=True)
+
+        def call():
+            if gemm_alone:
+                return tm.w4a8_gemm_gluon(*x_hat, qw, sc, pe, bias)
+            return tm.w4a8_linear_gluon(x, qw, sc, pe, bias)
+
         tm.TRACE = torch.zeros(8 * 4096, dtype=torch.int64, device="cuda")
         for _ in range(3):
-            tm.w4a8_linear_gluon(x, qw, sc, pe, bias)
+            call()
         flush.zero_()
         tm.TRACE.zero_()
         torch.cuda.synchronize()
-        tm.w4a8_linear_gluon(x, qw, sc, pe, bias)
+        call()
         torch.cuda.synchronize()
         rows = [r for r in tm.TRACE.view(-1, 8).cpu().tolist() if r[0] > 0]
         t0 = min(r[0] for r in rows)
         gemm = [r for r in rows if r[3] > 0]
         tokens = [r for r in rows if r[3] == 0 and r[2] == 0]
-        print(f"{k}->{n}, M=16: {len(tokens)} token + {len(gemm)} GEMM programs; µs since the first start, "
+        what = " (GEMM alone)" * gemm_alone
+        print(f"{k}->{n}, M=16{what}: {len(tokens)} token + {len(gemm)} GEMM programs; µs since the first start, "
               "p0/p10/p50/p90/p100")
         for i, name in enumerate(("token start", "token counted")):
             if tokens:
