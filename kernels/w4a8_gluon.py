@@ -44,6 +44,7 @@ from .w4a8_gluon_operand import (
     _epilogue,
     _unpack,
     _weight_operand,
+    check_x_hat,
     weight_words,
 )
 from .w4a8_ref import GROUP_SIZE
@@ -381,8 +382,7 @@ def w4a8_gemm_gluon(
     """
     m, k = x_hat.shape
     _check(m, k, qweight, scales)
-    if not x_hat.is_contiguous() or x_hat.dtype != torch.float8_e4m3fn:
-        raise ValueError("x_hat must be a contiguous float8_e4m3fn (M, K)")
+    check_x_hat(x_hat)
     y = torch.empty((m, qweight.shape[0]), device=x_hat.device, dtype=out_dtype)
     if m and y.shape[1]:
         _launch(None, x_hat, x_scale, qweight, scales, pts_exp, bias, y, gps, gpc)

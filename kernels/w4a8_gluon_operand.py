@@ -25,6 +25,14 @@ WORDS_L = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
     warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, GROUP_SIZE // 8]))
 
+
+def check_x_hat(x_hat: torch.Tensor) -> None:
+    """Both GEMMs read ``x̂`` (fragment order) as a contiguous ``float8_e4m3fn (M, K)``: a ValueError where it is
+    not one, before any launch."""
+    if not x_hat.is_contiguous() or x_hat.dtype != torch.float8_e4m3fn:
+        raise ValueError("x_hat must be a contiguous float8_e4m3fn (M, K)")
+
+
 def weight_words(qweight: torch.Tensor) -> torch.Tensor:
     """``qweight uint8 (N, K/2)`` as the ``int32 (N, K/8)`` words the kernels load; a ValueError where its row
     stride or address is not a multiple of 4 bytes (a view the words cannot be read from)."""

@@ -49,6 +49,7 @@ from .w4a8_gluon_operand import (
     _epilogue,
     _unpack,
     _weight_operand,
+    check_x_hat,
     weight_words,
 )
 from .w4a8_ref import GROUP_SIZE
@@ -190,8 +191,7 @@ def w4a8_gemm_prefill_gluon(
     """
     m, k = x_hat.shape
     _check_operands(m, k, qweight, scales)
-    if not x_hat.is_contiguous() or x_hat.dtype != torch.float8_e4m3fn:
-        raise ValueError("x_hat must be a contiguous float8_e4m3fn (M, K)")
+    check_x_hat(x_hat)
     if block_t % 8 or not 8 <= block_t <= 256 or stages < 1:
         raise ValueError(f"block_t must be a multiple of 8 in [8, 256] and stages ≥ 1, got {block_t}, {stages}")
     n = qweight.shape[0]
