@@ -8,7 +8,6 @@ Prints a table and writes ``sweep.csv`` under ``--out``:
 [--prefill 16x4] [--gemm]``."""
 
 import argparse
-import importlib.util
 import itertools
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_attention import graph_times, write_csv  # noqa: E402
 from bench_linear import LLAMA_8B_SHAPES, Layer  # noqa: E402
+from kernel_copy import load_kernel_copy  # noqa: E402
 
 from quantpatch.kernels import w4a8_gluon as wg  # noqa: E402
 from quantpatch.kernels import w4a8_prefill_gluon as wp  # noqa: E402
@@ -37,9 +37,7 @@ args = parser.parse_args()
 args.out.mkdir(parents=True, exist_ok=True)
 old = None
 if args.ab:
-    spec = importlib.util.spec_from_file_location("quantpatch.kernels.w4a8_gluon_ab", args.ab)
-    old = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(old)
+    old = load_kernel_copy(args.ab, "w4a8_gluon")
 rows = []
 for m, (k, n) in itertools.product(args.tokens, LLAMA_8B_SHAPES):
     layer = Layer(k, n, torch.device("cuda"), seed=k + n)

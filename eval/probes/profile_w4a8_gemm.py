@@ -1,0 +1,71 @@
+"""Nsight Compute profile of the Gluon W4A8 GEMMs (GPU with ``ncu``): the prefill GEMM at ``M > 16`` and the decode
+GEMM at ``M ≤ 16``, each on pre-quantized fragment-order x̂ (``bench_linear``'s layer). Runs itself under ``ncu
+--set full --import-source yes`` once per shape, one launch after warm-up calls, and writes under ``--out``
+``<kernel>_K_N_M.ncu-rep``, its details page (``…details.txt``: speed of light, warp states, stall reasons) and
+its SASS with per-instruction stall samples (``…sass.csv``):
+``python eval/probes/profile_w4a8_gemm.py --out DIR [--shapes K N M ...] [--ncu PATH]``."""
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_linear import Layer  # noqa: E402
+
+from quantpatch.kernels import w4a8_triton as wt  # noqa: E402
+
+WARMUP = 4  # launches before the profiled one (compiles and launch plans settle)
+
+
+def drive(k: int, n: int, m: int) -> None:
+    """``WARMUP + 1`` calls of the GEMM that serves ``m`` tokens (the decode GEMM at ``m ≤ 16``)."""
+    from quantpatch.kernels.w4a8_gluon import w4a8_gemm_gluon
+    from quantpatch.kernels.w4a8_prefill_gluon import w4a8_gemm_prefill_gluon
+
+    layer = Layer(k, n, torch.device("cuda"), seed=k + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to("cuda", torch.bfloat16)
+    frag = wt.quantize_activation_fp8(x, fragment_order=True)
+    gemm = w4a8_gemm_gluon if m <= 16 else w4a8_gemm_prefill_gluon
+    for _ in range(WARMUP + 1):
+        gemm(*frag, *layer.w4a8_args(), torch.bfloat16)
+    torch.cuda.synchronize()
+
+
+def profile(ncu: str, k: int, n: int, m: int, out: Path) -> None:
+    kernel = "_w4a8_decode_gluon" if m <= 16 else "_w4a8_prefill_gluon"
+    rep = out / f"{kernel.strip('_')}_{k}_{n}_{m}"
+    cmd = [ncu, "--set", "full", "--import-source", "yes", "--kernel-name", f"regex:{kernel}",
+           "--launch-skip", str(WARMUP), "--launch-count", "1", "--export", str(rep), "--force-overwrite",
+           sys.executable, __file__, "--drive", str(k), str(n), str(m)]
+    subprocess.run(cmd, check=True)
+    for page, suffix, extra in (("details", "details.txt", []),
+                                ("source", "sass.csv", ["--print-source", "sass", "--csv"])):
+        text = subprocess.run([ncu, "--import", f"{rep}.ncu-rep", "--page", page, *extra], check=True,
+                              capture_output=True, text=True).stdout
+        Path(f"{rep}_{suffix}").write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--shapes", type=int, nargs="+", default=[4096, 4096, 4096, 4096, 4096, 16],
+                        help="K N M triples")
+    parser.add_argument("--ncu", default=shutil.which("ncu") or "/usr/local/cuda/bin/ncu")
+    parser.add_argument("--drive", type=int, nargs=3, help=argparse.SUPPRESS)  # the process ncu profiles
+    args = parser.parse_args()
+    if args.drive:
+        drive(*args.drive)
+        return
+    if args.out is None or len(args.shapes) % 3:
+        parser.error("--out DIR and K N M triples are needed")
+    args.out.mkdir(parents=True, exist_ok=True)
+    for i in range(0, len(args.shapes), 3):
+        profile(args.ncu, *args.shapes[i:i + 3], args.out)
+
+
+if __name__ == "__main__":
+    main()
