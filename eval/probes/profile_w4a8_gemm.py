@@ -1,11 +1,11 @@
 """Nsight Compute profile of the Gluon W4A8 GEMMs (GPU with ``ncu``): the prefill GEMM at ``M > 16`` and the decode
-GEMM at ``M ≤ 16``, each on pre-quantized fragment-order x̂ (``bench_linear``'s layer). Runs itself under ``ncu
---set full --import-source yes`` once per shape, one launch after warm-up calls, and writes under ``--out``
-``<kernel>_K_N_M.ncu-rep``, its details page (``…details.txt``: speed of light, warp states, stall reasons), its
-SASS with per-instruction stall samples (``…sass.csv``) and a summary of those (``…stalls.txt``: samples by stall
-reason, the instructions with the most samples, loads and stores with excess L2 sectors):
-``python eval/probes/profile_w4a8_gemm.py --out DIR [--shapes K N M ...] [--ncu PATH]``; ``--report REP.ncu-rep``
-writes the pages and the summary of an earlier profile beside it."""
+GEMM at ``M ≤ 16`` (the library's routing), each on pre-quantized fragment-order x̂ (``bench_linear``'s layer).
+Runs itself under ``ncu --set full --import-source yes`` once per shape, one launch after warm-up calls, and
+writes under ``--out`` ``<kernel>_K_N_M.ncu-rep``, its details page (``…details.txt``: speed of light, warp
+states, stall reasons), its SASS with per-instruction stall samples (``…sass.csv``) and a summary of those
+(``…stalls.txt``: samples by stall reason, the instructions with the most samples, loads and stores with excess
+L2 sectors): ``python eval/probes/profile_w4a8_gemm.py --out DIR [--shapes K N M ...] [--ncu PATH]``;
+``--report REP.ncu-rep`` writes the pages and the summary of an earlier profile beside it."""
 
 import argparse
 import csv
@@ -24,22 +24,27 @@ from quantpatch.kernels import w4a8_triton as wt  # noqa: E402
 WARMUP = 4  # launches before the profiled one (compiles and launch plans settle)
 
 
+def _decode(k: int, n: int, m: int) -> bool:
+    """Whether the library serves ``m`` tokens by the decode GEMM (its routing table), else the prefill one."""
+    return wt.gemm_config(m, n, k)["kernel"] == "decode"
+
+
 def drive(k: int, n: int, m: int) -> None:
-    """``WARMUP + 1`` calls of the GEMM that serves ``m`` tokens (the decode GEMM at ``m ≤ 16``)."""
+    """``WARMUP + 1`` calls of the GEMM that serves ``m`` tokens (:func:`_decode`)."""
     from quantpatch.kernels.w4a8_gluon import w4a8_gemm_gluon
     from quantpatch.kernels.w4a8_prefill_gluon import w4a8_gemm_prefill_gluon
 
     layer = Layer(k, n, torch.device("cuda"), seed=k + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to("cuda", torch.bfloat16)
     frag = wt.quantize_activation_fp8(x, fragment_order=True)
-    gemm = w4a8_gemm_gluon if m <= 16 else w4a8_gemm_prefill_gluon
+    gemm = w4a8_gemm_gluon if _decode(k, n, m) else w4a8_gemm_prefill_gluon
     for _ in range(WARMUP + 1):
         gemm(*frag, *layer.w4a8_args(), torch.bfloat16)
     torch.cuda.synchronize()
 
 
 def profile(ncu: str, k: int, n: int, m: int, out: Path) -> None:
-    kernel = "_w4a8_decode_gluon" if m <= 16 else "_w4a8_prefill_gluon"
+    kernel = "_w4a8_decode_gluon" if _decode(k, n, m) else "_w4a8_prefill_gluon"
     rep = out / f"{kernel.strip('_')}_{k}_{n}_{m}"
     cmd = [ncu, "--set", "full", "--import-source", "yes", "--kernel-name", f"regex:{kernel}",
            "--launch-skip", str(WARMUP), "--launch-count", "1", "--export", str(rep), "--force-overwrite",

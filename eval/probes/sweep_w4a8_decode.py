@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_attention import graph_times, write_csv  # noqa: E402
 from bench_linear import LLAMA_8B_SHAPES, Layer  # noqa: E402
-from kernel_copy import load_kernel_copy  # noqa: E402
+from kernel_copy import load_kernel_copy, print_ab_check  # noqa: E402
 
 from quantpatch.kernels import w4a8_gluon as wg  # noqa: E402
 from quantpatch.kernels import w4a8_prefill_gluon as wp  # noqa: E402
@@ -52,9 +52,8 @@ for m, (k, n) in itertools.product(args.tokens, LLAMA_8B_SHAPES):
         if args.gemm:
             old_x = wt.quantize_activation_fp8(x, fragment_order=not args.ab_plain)
             impls["ab gemm"] = lambda: old.w4a8_gemm_gluon(*old_x, qw, sc, pe, b, torch.bfloat16)
-        y_old, y_new = old.w4a8_linear_gluon(x, qw, sc, pe, b).float(), wg.w4a8_linear_gluon(x, qw, sc, pe, b).float()
-        print(f"K={k} N={n} M={m}: --ab's output {'equal' if torch.equal(y_old, y_new) else 'differs'}, max |Δ| / "
-              f"max |y| = {((y_old - y_new).abs().max() / y_new.abs().max()).item():.2e}", flush=True)
+        print_ab_check(f"K={k} N={n} M={m}", old.w4a8_linear_gluon(x, qw, sc, pe, b),
+                       wg.w4a8_linear_gluon(x, qw, sc, pe, b))
     for run in args.runs:
         gps, gpc = (int(v) or None for v in run.split("x"))
         kw = dict(gps=gps, gpc=gpc)

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_attention import graph_times, write_csv  # noqa: E402
 from bench_linear import LLAMA_8B_SHAPES, Layer  # noqa: E402
-from kernel_copy import load_kernel_copy  # noqa: E402
+from kernel_copy import load_kernel_copy, print_ab_check  # noqa: E402
 
 from quantpatch.kernels import w4a8_triton as wt  # noqa: E402
 from quantpatch.kernels.w4a8_prefill_gluon import w4a8_gemm_prefill_gluon  # noqa: E402
@@ -52,10 +52,8 @@ for m, (k, n) in itertools.product(args.tokens, LLAMA_8B_SHAPES):
             x, frag[0], frag[1], k, x.stride(0), k, BLOCK_K=block_k, FRAGMENT=True, EMULATE=False, num_warps=warps)
     if old is not None:
         impls["ab gluon"] = lambda: old.w4a8_gemm_prefill_gluon(*frag, qw, sc, pe, b, torch.bfloat16)
-        y_old = old.w4a8_gemm_prefill_gluon(*frag, qw, sc, pe, b, torch.bfloat16).float()
-        y_new = w4a8_gemm_prefill_gluon(*frag, qw, sc, pe, b, torch.bfloat16).float()
-        print(f"K={k} N={n} M={m}: --ab's output {'equal' if torch.equal(y_old, y_new) else 'differs'}, max |Δ| / "
-              f"max |y| = {((y_old - y_new).abs().max() / y_new.abs().max()).item():.2e}", flush=True)
+        print_ab_check(f"K={k} N={n} M={m}", old.w4a8_gemm_prefill_gluon(*frag, qw, sc, pe, b, torch.bfloat16),
+                       w4a8_gemm_prefill_gluon(*frag, qw, sc, pe, b, torch.bfloat16))
     for tile in args.tiles:
         bt, stages = map(int, tile.split("x"))
         impls[f"gluon {tile}"] = lambda bt=bt, stages=stages: w4a8_gemm_prefill_gluon(
