@@ -19,7 +19,8 @@ def quick_run(tmp_path_factory):
                                                            "--out", str(out)]), out
 
 
-def _fp8_baselines_this_torch_runs() -> tuple[str, ...]:
+@pytest.fixture(scope="module")
+def fp8_baselines() -> tuple[str, ...]:
     """The ``fp8-*`` baselines whose ``_scaled_mm`` runs on this torch's CPU (2.11 has no row-wise scales there;
     the bench then warns and leaves that baseline out, as ``test_a_baseline_that_cannot_run…`` checks)."""
     module = load_eval_script("bench_linear.py")
@@ -49,11 +50,11 @@ def test_outputs_written(quick_run):
     assert meta["git_sha"] and meta["torch"] and "Command:" in (out / "summary.md").read_text()
 
 
-def test_every_implementation_timed_with_ratios(quick_run):
+def test_every_implementation_timed_with_ratios(quick_run, fp8_baselines):
     _, out = quick_run
     rows = _read_csv(out / "speed.csv")
     assert {(r["m"], r["impl"], r["mode"]) for r in rows} == {
-        (m, i, mode) for m in ("1", "16") for i in ("bf16", *_fp8_baselines_this_torch_runs(), "w4a8 e2e")
+        (m, i, mode) for m in ("1", "16") for i in ("bf16", *fp8_baselines, "w4a8 e2e")
         for mode in ("eager", "stream")}  # no graphs on the CPU; streams of 2 layers
     for r in rows:
         assert float(r["ms"]) > 0 and float(r["vs_bf16"]) > 0
@@ -69,12 +70,12 @@ def test_tune_table_picks_the_best_geometric_mean_per_bucket():
     assert module.best_table(rows) == [[16, {"kernel": "decode", "programs": 1024}]]
 
 
-def test_accuracy_orders_int4_below_fp8_weights(quick_run):
+def test_accuracy_orders_int4_below_fp8_weights(quick_run, fp8_baselines):
     """INT4 groups of 128 (≈ 20 dB SQNR on randn) lose more than FP8 e4m3 weights (≈ 31 dB), both well under 0.2."""
     _, out = quick_run
     acc = {r["impl"]: r for r in _read_csv(out / "accuracy.csv")}
-    fp8_impl = _fp8_baselines_this_torch_runs()[-1]  # row-wise where this torch's CPU has it
-    w4, fp8 = float(acc["w4a8 e2e"]["rel_l1_vs_bf16"]), float(acc[fp8_impl]["rel_l1_vs_bf16"])
+    w4 = float(acc["w4a8 e2e"]["rel_l1_vs_bf16"])
+    fp8 = float(acc[fp8_baselines[-1]]["rel_l1_vs_bf16"])  # row-wise where this torch's CPU has it
     assert 0 < fp8 < w4 < 0.2
     assert int(acc["w4a8 e2e"]["bf16_weight_bytes"]) / int(acc["w4a8 e2e"]["weight_bytes"]) >= 3.5
 
