@@ -2,8 +2,8 @@
 (block_t, stages), next to the Triton tiled GEMM, bf16 ``F.linear`` and ``torch._scaled_mm`` (per-tensor FP8) in the
 same process, CUDA-graph replays (``bench_linear``'s harness, L2 flushed). Prints a table and writes
 ``sweep.csv`` under ``--out``: ``python eval/probes/sweep_w4a8_prefill.py --out DIR [--tokens 128 1024 4096]
-[--ab OLD.py]``. ``--ab FILE``: also time a copy of ``kernels/w4a8_prefill_gluon.py`` from another commit (its
-default tile) and compare its outputs with this one's."""
+[--ab OLD.py ...]``. ``--ab FILE ...``: also time copies of ``kernels/w4a8_prefill_gluon.py`` from other commits
+(each at its default tile, named ``ab <file stem>``) and compare their outputs with this one's."""
 
 import argparse
 import itertools
@@ -27,11 +27,12 @@ parser.add_argument("--tiles", nargs="*", default=["128x3", "128x4", "128x6", "6
 parser.add_argument("--quant", nargs="*", default=["4096x4", "16384x16"],
                     help="also time the fragment-order quantization kernel at these BLOCK_K x num_warps")
 parser.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
-parser.add_argument("--ab", type=Path, help="another version of kernels/w4a8_prefill_gluon.py to time and compare")
+parser.add_argument("--ab", type=Path, nargs="*", default=[],
+                    help="other versions of kernels/w4a8_prefill_gluon.py to time and compare")
 parser.add_argument("--rep", type=int, default=30)
 args = parser.parse_args()
 args.out.mkdir(parents=True, exist_ok=True)
-old = load_kernel_copy(args.ab, "w4a8_prefill_gluon") if args.ab else None
+olds = {f"ab {path.stem}": load_kernel_copy(path, f"w4a8_prefill_gluon_{i}") for i, path in enumerate(args.ab)}
 rows = []
 for m, (k, n) in itertools.product(args.tokens, LLAMA_8B_SHAPES):
     layer = Layer(k, n, torch.device("cuda"), seed=k + n)
@@ -50,9 +51,9 @@ for m, (k, n) in itertools.product(args.tokens, LLAMA_8B_SHAPES):
         block_k, warps = map(int, q.split("x"))
         impls[f"quant {q}"] = lambda block_k=block_k, warps=warps: wt._w4a8_quantize_activation_kernel[(m,)](
             x, frag[0], frag[1], k, x.stride(0), k, BLOCK_K=block_k, FRAGMENT=True, EMULATE=False, num_warps=warps)
-    if old is not None:
-        impls["ab gluon"] = lambda: old.w4a8_gemm_prefill_gluon(*frag, qw, sc, pe, b, torch.bfloat16)
-        print_ab_check(f"K={k} N={n} M={m}", old.w4a8_gemm_prefill_gluon(*frag, qw, sc, pe, b, torch.bfloat16),
+    for name, old in olds.items():
+        impls[name] = lambda old=old: old.w4a8_gemm_prefill_gluon(*frag, qw, sc, pe, b, torch.bfloat16)
+        print_ab_check(f"K={k} N={n} M={m} {name}", impls[name](),
                        w4a8_gemm_prefill_gluon(*frag, qw, sc, pe, b, torch.bfloat16))
     for tile in args.tiles:
         bt, stages = map(int, tile.split("x"))
