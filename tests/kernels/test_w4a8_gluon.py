@@ -10,10 +10,8 @@ import pytest
 import torch
 
 from quantpatch.kernels.w4a8_ref import w4a8_linear_ref
-from tests.gpu import CUDA, needs_cuda
+from tests.gpu import hopper, needs_cuda
 from tests.kernels.test_w4a8_triton import _assert_within_bound, _error_bound, _layer, _randn
-
-hopper = pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] != 9, reason="needs an sm_90 GPU")
 
 
 def _check(m, n, k, *, seed, gps=None, gpc=None, pts=True, bias=True, dtype=torch.bfloat16):

@@ -13,10 +13,8 @@ import torch
 
 from quantpatch.kernels import w4a8_triton as wt
 from quantpatch.kernels.w4a8_ref import GROUP_SIZE
-from tests.gpu import CUDA, DEVICE, needs_cuda
+from tests.gpu import DEVICE, hopper, needs_cuda
 from tests.kernels.test_w4a8_triton import _assert_within_bound, _layer, _randn
-
-hopper = pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] != 9, reason="needs an sm_90 GPU")
 
 
 def test_fragment_slots_are_a_permutation_matching_the_kernels_formula():
