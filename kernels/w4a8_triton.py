@@ -572,9 +572,9 @@ def w4a8_linear_2d(
         except triton.CompilationError as err:  # a Triton whose Gluon API differs: warn once, Triton serves
             gate.close(x.device, err)
     _check_operands(m, k, qweight, scales)
-    cfg = gemm_config(m, qweight.shape[0], k) if config is None else config
-    y = torch.empty((m, qweight.shape[0]), device=x.device, dtype=x.dtype)
-    if m == 0 or y.shape[1] == 0:
+    cfg = gemm_config(m, n, k) if config is None else config
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    if m == 0 or n == 0:
         return y
     if cfg["kernel"] == "decode" and cfg.get("fused", 0) and k <= DECODE_QBLOCK:
         _launch_decode(x, None, None, qweight, scales, pts_exp, bias, y, cfg)
