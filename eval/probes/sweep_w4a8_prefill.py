@@ -51,10 +51,10 @@ for m, (k, n) in itertools.product(args.tokens, LLAMA_8B_SHAPES):
         block_k, warps = map(int, q.split("x"))
         impls[f"quant {q}"] = lambda block_k=block_k, warps=warps: wt._w4a8_quantize_activation_kernel[(m,)](
             x, frag[0], frag[1], k, x.stride(0), k, BLOCK_K=block_k, FRAGMENT=True, EMULATE=False, num_warps=warps)
+    y_new = w4a8_gemm_prefill_gluon(*frag, qw, sc, pe, b, torch.bfloat16) if olds else None
     for name, old in olds.items():
         impls[name] = lambda old=old: old.w4a8_gemm_prefill_gluon(*frag, qw, sc, pe, b, torch.bfloat16)
-        print_ab_check(f"K={k} N={n} M={m} {name}", impls[name](),
-                       w4a8_gemm_prefill_gluon(*frag, qw, sc, pe, b, torch.bfloat16))
+        print_ab_check(f"K={k} N={n} M={m} {name}", impls[name](), y_new)
     for tile in args.tiles:
         bt, stages = map(int, tile.split("x"))
         impls[f"gluon {tile}"] = lambda bt=bt, stages=stages: w4a8_gemm_prefill_gluon(
