@@ -12,11 +12,14 @@ through them; launched on the current stream):
   (:func:`~quantpatch.kernels.qk_quant_triton.quantize_qkv`), returns the 10 tensors of
   :class:`~quantpatch.kernels.qk_quant_triton.QuantizedQKV`;
 * ``quantpatch::attn_qk_int8_pv_fp8``: the attention kernel over them
-  (:func:`~quantpatch.kernels.attn_qk_int8_pv_fp8_triton.attn_qk_int8_pv_fp8`).
+  (:func:`~quantpatch.kernels.attn_qk_int8_pv_fp8_triton.attn_qk_int8_pv_fp8`, or on sm_90 for
+  :func:`gluon_takes` calls :func:`~quantpatch.kernels.attn_gluon.attn_sage2_gluon`).
 
 Which path each mode takes: ``sage2-8b``/``sage2-4b`` (INT8 tensor cores, INT4 values for 4b),
 ``int8-flash``, ``fireq`` and ``turbo``'s prefill (SAS exponential, per-tile P scale, per-block V
-scale) run these Triton kernels on sm_89/sm_90 (sm_80 for configs without FP8 operands).
+scale) run these Triton kernels on sm_89/sm_90 (sm_80 for configs without FP8 operands); on sm_90,
+sage2's non-causal head_dim-128 calls with at least ``GLUON_MIN_KEYS`` keys run the Gluon kernel
+(same numerics, FA3's warp-specialised ping-pong schedule).
 """
 
 from __future__ import annotations
@@ -24,17 +27,22 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
 
 from quantpatch.config import AttentionConfig
 from quantpatch.dispatch import AttentionCall, Implementation, cuda_unsupported, register
 
 from .attn_qk_int8_pv_fp8_triton import SAS_THRESHOLD, attn_qk_int8_pv_fp8
+from .gluon_gate import GluonGate
 from .qk_quant_triton import GRAN_IDS, QuantizedQKV, quantize_qkv
 from .quant_attention_ref import smooth_k_lse_shift
 
 HEAD_DIMS = (64, 128)
 KEY_BLOCK = 128  # the attention kernel's key block; K/V are padded to a multiple of it
 FP8_OPERANDS = ("fp8_e4m3",)
+# the Gluon sage2 kernel from this many keys on; below, the Triton kernel is as fast or faster (H200,
+# eval/results/bench_attention/NOTES.md, "Gluon ping-pong kernel")
+GLUON_MIN_KEYS = 4096
 
 
 # --------------------------------------------------------------------------- config mapping
@@ -116,6 +124,16 @@ def call_unsupported(call: AttentionCall) -> str | None:
     return config_unsupported(cfg)
 
 
+def gluon_takes(cfg: AttentionConfig, head_dim: int, nk: int, is_causal: bool) -> bool:
+    """Whether :func:`~quantpatch.kernels.attn_gluon.attn_sage2_gluon` computes this call (on sm_90): sage2's
+    INT8-tensor-core Q·Kᵀ, FP8 P̃·V accumulated per block, per-channel V; non-causal, head_dim 128, query blocks
+    of a multiple of 128 rows, at least ``GLUON_MIN_KEYS`` keys."""
+    return (cfg.numerics == "sage2" and cfg.qk_format in ("int8", "int4") and cfg.pv_format in FP8_OPERANDS
+            and cfg.two_level_accum and not cfg.l_from_quantized_p and not cfg.p_from_block_max
+            and cfg.exp == "exact" and cfg.v_granularity == "channel" and cfg.block_q % 128 == 0
+            and not is_causal and head_dim == 128 and nk >= GLUON_MIN_KEYS)
+
+
 # --------------------------------------------------------------------------- custom ops
 
 
@@ -169,10 +187,17 @@ def _attend(
     k_mean: torch.Tensor, delta_s: torch.Tensor, v_hat_t: torch.Tensor, v_scale: torch.Tensor, v_mean: torch.Tensor,
     nk: int, is_causal: bool, sm_scale: float, return_lse: bool, out_dtype: torch.dtype, block_q: int,
     l_from_quantized_p: bool, two_level_accum: bool, block_m: int, block_n: int, num_warps: int, num_stages: int,
-    turbo: bool, p_qmax: int,
+    turbo: bool, p_qmax: int, gluon: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attn_qk_int8_pv_fp8` over the fields of ``QuantizedQKV`` (the custom op's body)."""
+    """:func:`attn_qk_int8_pv_fp8` over the fields of ``QuantizedQKV`` (the custom op's body); with ``gluon``
+    (:func:`gluon_takes`) the Gluon kernel where :data:`ATTENTION_GLUON` opens."""
     x = QuantizedQKV(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean)
+    if gluon and ATTENTION_GLUON.unsupported(q_hat.device) is None:
+        try:
+            return _attn_gluon.attn_sage2_gluon(x, nk, sm_scale=sm_scale, return_lse=return_lse, out_dtype=out_dtype,
+                                                block_q=block_q)
+        except triton.CompilationError as err:  # a Triton whose Gluon API differs: warn once, Triton serves
+            ATTENTION_GLUON.close(q_hat.device, err)
     return attn_qk_int8_pv_fp8(
         x, nk, is_causal=is_causal, sm_scale=sm_scale, return_lse=return_lse, out_dtype=out_dtype, block_q=block_q,
         l_from_quantized_p=l_from_quantized_p, two_level_accum=two_level_accum, block_m=block_m, block_n=block_n,
@@ -186,7 +211,7 @@ attn_qk_int8_pv_fp8_op = torch.library.custom_op("quantpatch::attn_qk_int8_pv_fp
 @attn_qk_int8_pv_fp8_op.register_fake
 def _(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean, nk, is_causal, sm_scale,
       return_lse, out_dtype, block_q, l_from_quantized_p, two_level_accum, block_m, block_n, num_warps, num_stages,
-      turbo, p_qmax):
+      turbo, p_qmax, gluon):
     b, h, nq, d = q_hat.shape
     lse_shape = (b, h, nq) if return_lse else (0,)
     return q_hat.new_empty((b, h, nq, d), dtype=out_dtype), q_hat.new_empty(lse_shape, dtype=torch.float32)
@@ -212,7 +237,7 @@ def quantized_attention(
     Args:
         q: ``(B, H, Nq, D)``; k, v: ``(B, Hkv, Nk, D)``, fp16/bf16, head_dim contiguous.
         cfg: numerics (must pass :func:`config_unsupported`).
-        blocks: override of :func:`kernel_blocks` (benchmarks and tests).
+        blocks: override of :func:`kernel_blocks` (benchmarks and tests): the Triton kernel with these tiles.
 
     Returns:
         ``o (B, H, Nq, D)`` in ``q``'s dtype, ``lse (B, H, Nq)`` float32 (empty unless asked).
@@ -224,7 +249,7 @@ def quantized_attention(
     kb = kernel_blocks(cfg, q.shape[-1]) if blocks is None else blocks
     options = (k.shape[2], is_causal, sm_scale, return_lse, q.dtype, cfg.block_q, cfg.l_from_quantized_p,
                cfg.two_level_accum, kb["block_m"], kb["block_n"], kb["num_warps"], kb["num_stages"],
-               cfg.exp == "sas", cfg.pv_qmax)
+               cfg.exp == "sas", cfg.pv_qmax, blocks is None and gluon_takes(cfg, q.shape[-1], k.shape[2], is_causal))
     attend = attn_qk_int8_pv_fp8_op if compiling else _attend
     o, lse = attend(*parts, *options)
     if return_lse and cfg.smooth_k:  # the kernel's LSE is that of the K-smoothed scores
@@ -241,5 +266,15 @@ def _run(call: AttentionCall):
 IMPLEMENTATION = Implementation("triton", 10, call_unsupported, _run)
 for _numerics in ("sage2", "int8_flash", "fireq", "turbo"):
     register(_numerics, IMPLEMENTATION)
+
+# last: the Gluon module needs Triton 3.6's triton.experimental.gluon
+try:
+    from . import attn_gluon as _attn_gluon
+
+    _GLUON_IMPORT_ERROR = None
+except ImportError as _err:
+    _attn_gluon, _GLUON_IMPORT_ERROR = None, str(_err)
+ATTENTION_GLUON = GluonGate("sage2 attention (non-causal, head_dim 128)", "the Triton attention kernel",
+                            _GLUON_IMPORT_ERROR)
 
 __all__ = ["IMPLEMENTATION", "call_unsupported", "config_unsupported", "quantized_attention"]

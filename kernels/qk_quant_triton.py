@@ -28,7 +28,8 @@ exact emulation under ``TRITON_INTERPRET=1``, whose own FP8 cast rounds ties up)
 Layouts written (all contiguous): ``q_hat (B, H, Nq, D)``, ``q_scale (B, H, Nq)``,
 ``k_hat (B, Hkv, Nk_pad, D)``, ``k_scale (B, Hkv, Nk_pad)`` (pad rows are 0), ``v_hat_t
 (B, Hkv, D, Nk_pad)``: V transposed, tokens contiguous, because Hopper's 8-bit wgmma reads
-both operands K-major; ``delta_s (B, H, ceil(Nq / block_q), Nk_pad)`` = q̄ · Kᵀ (raw K). ``Nk_pad`` rounds Nk
+both operands K-major; ``delta_s (B, H, ceil(Nq / block_q), Nk_pad)`` = q̄ · Kᵀ (raw K), −inf at the pad
+columns (so a kernel adding ΔS needs no key mask). ``Nk_pad`` rounds Nk
 up to the attention kernel's key block so its loads need no masks.
 """
 
@@ -215,7 +216,8 @@ def _delta_s_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QB_TILE: tl.constexpr, K_BF16: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
-    """ΔS_raw[b, h, qb, j] = q̄[b, h, qb] · K[b, h // G, j] for BLOCK_N keys and every query block.
+    """ΔS_raw[b, h, qb, j] = q̄[b, h, qb] · K[b, h // G, j] for BLOCK_N keys and every query block; −inf at the
+    padding keys Nk ≤ j < Nk_pad.
 
     A small GEMM (M = query blocks, N = keys, K = head_dim) on the raw K, whose mean is not known
     yet; the attention kernel subtracts the row constant q̄ · K̄. It runs on bf16 tensor cores over
@@ -252,7 +254,9 @@ def _delta_s_kernel(
                 ds = _dot_bf16(q_hi, k_lo, ds, EMULATE)
                 ds = _dot_bf16(q_mid, k_lo, ds, EMULATE)
                 ds = _dot_bf16(q_lo, k_lo, ds, EMULATE)
-            tl.store(DS_ptr + (bh_q * NQB + qb[:, None]) * NK_PAD + rows[None, :], ds, mask=qb[:, None] < NQB)
+            ds = tl.where(rows[None, :] < NK, ds, float("-inf"))
+            tl.store(DS_ptr + (bh_q * NQB + qb[:, None]) * NK_PAD + rows[None, :], ds,
+                     mask=(qb[:, None] < NQB) & (rows[None, :] < NK_PAD))
 
 
 @triton.jit
@@ -509,11 +513,10 @@ def quantize_qkv(
             DO_K=smooth_k, DO_VSUM=need_vsum, DO_VMINMAX=need_vminmax, DO_VABS=need_vabs,
             num_warps=4,
         )
-    # columns past ceil(Nk / DS_BLOCK_N) · DS_BLOCK_N are left unwritten (the attention kernel masks them)
     delta_s = torch.empty((b, h, nqb, nk_pad), **f32) if smooth_q else torch.empty(0, **f32)
     if smooth_q:
         ds_block = min(DS_TUNING["block_n"], pad_to)
-        _delta_s_kernel[(triton.cdiv(nk, ds_block), b * hkv)](
+        _delta_s_kernel[(triton.cdiv(nk_pad, ds_block), b * hkv)](
             k, q_mean, delta_s,
             k.stride(0), k.stride(1), k.stride(2),
             nk, nk_pad, hkv, h // hkv, nqb,
@@ -629,7 +632,7 @@ def quantize_qkv_ref(
     if smooth_q:
         g = h // hkv
         delta_s = torch.matmul(q_mean, k_raw.repeat_interleave(g, dim=1).transpose(-1, -2))
-        delta_s = torch.nn.functional.pad(delta_s, (0, pad))
+        delta_s = torch.nn.functional.pad(delta_s, (0, pad), value=float("-inf"))
 
     v_mean = empty
     if smooth_v:

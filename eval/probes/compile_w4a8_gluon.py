@@ -6,7 +6,7 @@ GPS: groups per run, GPC: per chunk)."""
 import re
 import sys
 
-from sm90_binary import compile_sm90, inspect_binary, resources
+from sm90_binary import compile_sm90, inspect_binary, resources, wgmma_sequence
 
 from quantpatch.kernels.w4a8_gluon import _w4a8_decode_gluon as kernel
 from quantpatch.kernels.w4a8_gluon import run_shape
@@ -25,22 +25,10 @@ constexprs = dict(BM=bm, GPC=gpc, CHUNKS=chunks, SPLIT_K=split, FUSED=fused, QBL
 aligned = [n for n in kernel.arg_names if n.endswith("_ptr")] + ["K", "stride_wn"]
 compiled = compile_sm90(kernel, types, constexprs, aligned, num_warps=4)
 ptx, sass, usage, ptxas = inspect_binary(compiled)
-steps = []
-for line in ptx.splitlines():
-    if "wgmma.mma_async" in line:
-        step = "MMA"
-    elif "wgmma.wait_group" in line:
-        step = "wait" + line.strip().rstrip(";")[-1]
-    else:
-        continue
-    if steps and steps[-1][0] == step:
-        steps[-1][1] += 1
-    else:
-        steps.append([step, 1])
 mem = {op: len(re.findall(op, ptx)) for op in ("ld.shared.v4", "ld.shared.v2", "ld.shared.b", "st.shared",
                                                "ld.global.v4", "ld.global", "prmt", "lop3", "bar.sync")}
 print(f"GPC {gpc} CHUNKS {chunks} BM {bm} SPLIT_K {split} FUSED {fused} QBLOCK {qblock}")
-print("wgmma sequence:", " ".join(f"{s}x{n}" if n > 1 else s for s, n in steps))
+print("wgmma sequence:", wgmma_sequence(ptx))
 print("PTX op counts:", mem)
 print("SASS: HGMMA", sass.count("HGMMA"), "WARPGROUP.DEPBAR", sass.count("WARPGROUP.DEPBAR"),
       "SHFL", sass.count("SHFL"), "LDS", len(re.findall(r"\bLDS", sass)), "STS", len(re.findall(r"\bSTS", sass)))

@@ -49,3 +49,21 @@ def resources(compiled, usage: str) -> str:
     """Registers, stack bytes and shared memory, one line."""
     regs, stack = re.findall(r"REG:(\d+)", usage), re.findall(r"STACK:(\d+)", usage)
     return f"registers {regs} stack {stack} shared {compiled.metadata.shared}"
+
+
+def wgmma_sequence(ptx: str) -> str:
+    """The PTX's wgmma issues and waits in order, runs folded: e.g. ``MMA-s8x4 wait1 MMA-e4m3x4 wait0``."""
+    steps = []
+    for line in ptx.splitlines():
+        if "wgmma.mma_async" in line:
+            kind = re.search(r"\.(s8|u8|e4m3|e5m2|f16|bf16|tf32)\.", line)
+            step = "MMA-" + (kind.group(1) if kind else "?")
+        elif "wgmma.wait_group" in line:
+            step = "wait" + line.strip().rstrip(";")[-1]
+        else:
+            continue
+        if steps and steps[-1][0] == step:
+            steps[-1][1] += 1
+        else:
+            steps.append([step, 1])
+    return " ".join(f"{s}x{n}" if n > 1 else s for s, n in steps)

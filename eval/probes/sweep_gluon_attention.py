@@ -1,0 +1,69 @@
+"""Kernel-only timings of the Gluon sage2 attention (``kernels/attn_gluon.py``) next to the Triton kernel and SDPA
+flash / cuDNN in the same run (B=4, H=32, D=128, non-causal, bf16 inputs), with the Gluon output checked against
+the Triton kernel's: ``python eval/probes/sweep_gluon_attention.py --out DIR [--seq-lens 2048 8192] [--stages 2 3]``.
+Writes ``sweep.json`` under DIR and prints one line per row."""
+
+import argparse
+import json
+import pathlib
+
+import torch
+import triton.testing
+
+import quantpatch as qp
+from quantpatch.kernels import fast_paths
+from quantpatch.kernels.attn_gluon import attn_sage2_gluon, permute_v_keys
+from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
+from quantpatch.kernels.qk_quant_triton import QuantizedQKV
+from quantpatch.metrics import rel_l1
+
+
+def ms(fn, rep):
+    return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192, 16384])
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--rep", type=int, default=200)
+    args = ap.parse_args()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cfg = qp.get_mode("sage2-8b").attention
+    kb = fast_paths.kernel_blocks(cfg, 128)
+    rows = []
+    for n in args.seq_lens:
+        gen = torch.Generator(device="cuda").manual_seed(n)
+        q, k, v = (torch.randn(4, 32, n, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+        flops = 4 * 4 * 32 * n * n * 128
+        x = QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **fast_paths.quant_options(cfg)))
+        vt = permute_v_keys(x.v_hat_t)
+        times = {}
+        for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+            with sdpa_kernel(backend):
+                times[name] = ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), args.rep)
+        ref, _ = attn_qk_int8_pv_fp8(x, n, block_q=cfg.block_q, **kb)
+        times["triton"] = ms(lambda: attn_qk_int8_pv_fp8(x, n, block_q=cfg.block_q, **kb), args.rep)
+        errs = {}
+        for st in args.stages:
+            name = f"gluon-s{st}"
+            out, _ = attn_sage2_gluon(x, n, block_q=cfg.block_q, stages=st, v_keys_permuted=vt)
+            errs[name] = rel_l1(out.float(), ref.float())
+            times[name] = ms(lambda st=st: attn_sage2_gluon(x, n, block_q=cfg.block_q, stages=st, v_keys_permuted=vt),
+                             args.rep)
+        for name, t in times.items():
+            row = dict(n=n, impl=name, ms=t, tflops=flops / t * 1e-9, vs_cudnn=times["sdpa-cudnn"] / t,
+                       vs_triton=times["triton"] / t, rel_l1_vs_triton=errs.get(name, ""))
+            rows.append(row)
+            print(f"N={n:6d} {name:12s} {t:8.3f} ms {row['tflops']:7.1f} TFLOPS  x{row['vs_cudnn']:.3f} cuDNN  "
+                  f"x{row['vs_triton']:.3f} triton  rel-L1 vs triton {row['rel_l1_vs_triton']}", flush=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""sage2 prefill attention in Gluon (Triton 3.6+, sm_90): FA3's schedule over the Triton kernel's numerics.
+
+Same operands and numerics as ``attn_qk_int8_pv_fp8_triton._attn_fwd_kernel`` for ``sage2`` (INT8 Q·Kᵀ with
+per-row Q and per-key K scales, ΔS, P̃ → e4m3 at the static 448 scale, FP8 P̃·V accumulated per key block then
+added to the FP32 accumulator, per-channel V scale, optional V mean), non-causal, any Nq / Nk (tails masked),
+GQA, optional LSE.
+
+A program takes 128 query rows: two consumer warpgroups of 64 rows share one producer warp, which brings K
+(with its scales and ΔS) and Vᵀ blocks by TMA into ``STAGES``-deep rings. Each consumer runs (block j)::
+
+    [its turn]  issue Q·K_{j+1}, issue P̃_j·V_j        (async wgmma; then the other warpgroup's turn)
+                wait(1)  -> Q·K_{j+1} done               (P̃_j·V_j still runs)
+                softmax of block j + 1                   (ALU / MUFU, under P̃_j·V_j and the other's MMAs)
+                wait(0)  -> P̃_j·V_j done; acc = α_j acc + R_j
+
+The turns (two mbarriers) make the warpgroups alternate their MMA issues, so one's softmax runs while the
+other's MMAs do (FA3's ping-pong). Every MMA retires in the iteration that issued it: a wgmma in flight across
+the loop's back edge makes ptxas serialise them all (C7514).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .qk_quant_triton import QuantizedQKV
+
+LOG2E = 1.4426950408889634
+WG_ROWS = gl.constexpr(64)  # query rows of a consumer warpgroup (wgmma M)
+BLOCK_M = 128  # query rows of a program: two consumer warpgroups
+CONSUMER_REGS = gl.constexpr(232)  # setmaxnreg: 2 · 128 · 232 + 128 · 24 ≤ 64 K
+PRODUCER_REGS = gl.constexpr(24)
+
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.jit
+def _kv_producer(k_desc, ks_desc, ds_desc, vt_desc, k_s, ks_s, ds_s, v_s, k_ready, v_ready, kv_empty,
+                 k_row0, ds_row0, v_row0, n_blocks, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 STAGES: gl.constexpr, SMOOTH_Q: gl.constexpr):
+    """Producer warp: K block t (int8 tile, its scales, ΔS) and Vᵀ block t into stage ``t % STAGES`` by TMA once
+    both consumers have released the stage (after their P̃·V of block t - STAGES)."""
+    K_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM + BLOCK_N * 4 * (1 + SMOOTH_Q)
+    for t in range(n_blocks):
+        st = t % STAGES
+        mbarrier.wait(kv_empty.index(st), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+        mbarrier.expect(k_ready.index(st), K_BYTES)
+        _tma_load(k_desc, [k_row0 + t * BLOCK_N, 0], k_ready.index(st), k_s.index(st))
+        _tma_load(ks_desc, [k_row0 + t * BLOCK_N], k_ready.index(st), ks_s.index(st))
+        if SMOOTH_Q:
+            _tma_load(ds_desc, [ds_row0 + t * BLOCK_N], k_ready.index(st), ds_s.index(st))
+        mbarrier.expect(v_ready.index(st), BLOCK_N * HEAD_DIM)
+        _tma_load(vt_desc, [v_row0, t * BLOCK_N], v_ready.index(st), v_s.index(st))
+
+
+@gluon.jit
+def _softmax_block(s_f, ks_smem, ds_smem, qs, ds_shift, qk_scale, j, NK, m_i, l_i,
+                   BLOCK_N: gl.constexpr, SMOOTH_Q: gl.constexpr, col_s: gl.constexpr, p_op: gl.constexpr):
+    """Online softmax of key block ``j``: S = (Q̂·K̂ᵀ) δQ δK (+ ΔS) in log2 units → P̃ as e4m3 at 448.
+
+    ``s_f (64, BLOCK_N)`` the int32 Q̂·K̂ᵀ in fp32 (exact: |Q̂·K̂ᵀ| < 2²⁴); returns ``p_hat`` (FP8, the A operand
+    of P̃·V), the rescale ``alpha (64,)`` of what came before, and the new running max and sum.
+    """
+    LOG2_PMAX: gl.constexpr = 8.807354922057604  # log2(448)
+    s = (s_f * ks_smem.load(col_s)[None, :]) * qs[:, None]
+    if SMOOTH_Q:  # ΔS is −inf at the pad keys: no key mask
+        col_term = ds_smem.load(col_s) * qk_scale - ds_shift * qk_scale
+    else:
+        col_term = gl.where(j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s) < NK, 0.0, float("-inf"))
+    s = s + col_term[None, :]
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - (m_safe - LOG2_PMAX)[:, None])  # = 448 · P̃
+    l_i = l_i * alpha + gl.sum(p, 1)
+    # within each 32 keys, key k of the FP8 A operand is the accumulator's column 16k₄+8k₁+4k₃+2k₂+k₀: this
+    # reordering costs no data movement (the registers are already where the operand wants them), and Vᵀ's
+    # keys are stored in the same order (wgmma_key_order), so P̃·V sums the same products
+    p8 = gl.reshape(p.to(gl.float8e4nv), [p.shape[0], BLOCK_N // 32, 2, 2, 2, 2, 2])
+    p8 = gl.reshape(gl.permute(p8, [0, 1, 2, 4, 5, 3, 6]), [p.shape[0], BLOCK_N])
+    return gl.convert_layout(p8, p_op), alpha, m_new, l_i
+
+
+@gluon.jit
+def _publish(p_hat, p_smem):
+    """P̃ (registers) into its shared-memory buffer, visible to the warpgroup's next wgmma (async proxy)."""
+    p_smem.store(p_hat)
+    hopper.fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ks_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn,
+              QS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
+              pid_bh, b, h, bh_kv, m0, n_blocks, NQ, NK, NQB, qk_scale,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, Q_BLOCK: gl.constexpr, STAGES: gl.constexpr,
+              SMOOTH_Q: gl.constexpr, SMOOTH_K: gl.constexpr, SMOOTH_V: gl.constexpr, RETURN_LSE: gl.constexpr):
+    """Consumer warpgroup ``WG`` (0 or 1): query rows ``m0 + 64 WG …`` over every key block (module docstring),
+    then its rows of O (and LSE)."""
+    LOG2_PMAX: gl.constexpr = 8.807354922057604  # log2(448)
+    s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_N, 32])
+    o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, HEAD_DIM, 32])
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_mma, k_width=4)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_mma)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_mma)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_mma)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_mma)
+    OTHER: gl.constexpr = 1 - WG
+
+    r0 = m0 + WG * WG_ROWS
+    rows = r0 + gl.arange(0, WG_ROWS, layout=row_s)
+    qs = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + rows, mask=rows < NQ, other=0.0) * qk_scale
+    ds_shift = 0.0
+    if SMOOTH_Q:
+        if SMOOTH_K:  # ΔS_raw = q̄·K holds the row constant q̄·K̄ too
+            d_1 = gl.arange(0, HEAD_DIM, layout=col_o)
+            qm = gl.load(QM_ptr + (pid_bh * NQB + r0 // Q_BLOCK) * HEAD_DIM + d_1)
+            ds_shift = gl.sum(qm * gl.load(KM_ptr + bh_kv * HEAD_DIM + d_1), 0)
+    q_wg = q_s.slice(WG * WG_ROWS, WG_ROWS)
+    zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.int32, layout=s_mma)
+    zero_o = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_mma)
+
+    # section 0: Q·K_0, softmax 0
+    mbarrier.wait(k_ready.index(0), 0)
+    mbarrier.wait(turn.index(WG), OTHER)  # warpgroup 0 first (a fresh barrier passes parity 1)
+    s_tok = hopper.warpgroup_mma(q_wg, k_s.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.arrive(turn.index(OTHER))
+    s_int = hopper.warpgroup_mma_wait(0, deps=[s_tok])
+    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
+    p_hat, alpha, m_i, l_i = _softmax_block(s_int.to(gl.float32), ks_s.index(0), ds_s.index(0), qs, ds_shift,
+                                            qk_scale, 0, NK, m_i, l_i, BLOCK_N, SMOOTH_Q, col_s, p_op)
+    _publish(p_hat, p_s.index(2 * WG))
+    acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_mma)
+    for j in range(n_blocks - 1):  # section j + 1: Q·K_{j+1} and P̃_j·V_j; softmax j + 1 under P̃_j·V_j
+        buf = j % STAGES
+        nbuf = (j + 1) % STAGES
+        mbarrier.wait(k_ready.index(nbuf), ((j + 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(buf), (j // STAGES) & 1)
+        mbarrier.wait(turn.index(WG), ((j + 1) & 1) ^ OTHER)
+        s_tok = hopper.warpgroup_mma(q_wg, k_s.index(nbuf).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        r_tok = hopper.warpgroup_mma(p_s.index(2 * WG + j % 2), v_s.index(buf).permute((1, 0)), zero_o, use_acc=False,
+                                     is_async=True)
+        mbarrier.arrive(turn.index(OTHER))
+        s_int = hopper.warpgroup_mma_wait(1, deps=[s_tok])
+        p_hat, alpha_next, m_i, l_i = _softmax_block(s_int.to(gl.float32), ks_s.index(nbuf), ds_s.index(nbuf),
+                                                     qs, ds_shift, qk_scale, j + 1, NK, m_i, l_i, BLOCK_N,
+                                                     SMOOTH_Q, col_s, p_op)
+        _publish(p_hat, p_s.index(2 * WG + (j + 1) % 2))  # the other buffer: P̃_j·V_j still reads this one
+        r = hopper.warpgroup_mma_wait(0, deps=[r_tok])
+        mbarrier.arrive(kv_empty.index(buf))  # K_j and V_j are done with: one arrival releases both
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None] + r  # two-level: one block's P̃·V, then into acc
+        alpha = alpha_next
+    # section n_blocks: P̃·V of the last block
+    last = (n_blocks - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+    mbarrier.wait(turn.index(WG), (n_blocks & 1) ^ OTHER)
+    r_tok = hopper.warpgroup_mma(p_s.index(2 * WG + (n_blocks - 1) % 2), v_s.index(last).permute((1, 0)), zero_o,
+                                 use_acc=False, is_async=True)
+    mbarrier.arrive(turn.index(OTHER))
+    r = hopper.warpgroup_mma_wait(0, deps=[r_tok])
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + r
+
+    d_o = gl.arange(0, HEAD_DIM, layout=col_o)
+    out = acc * gl.load(VS_ptr + bh_kv * HEAD_DIM + d_o)[None, :]
+    l_o = gl.convert_layout(l_i, row_o)
+    empty = l_o == 0.0
+    out = out / gl.where(empty, 1.0, l_o)[:, None]
+    if SMOOTH_V:
+        out += gl.load(VM_ptr + bh_kv * HEAD_DIM + d_o)[None, :]
+    out = gl.where(empty[:, None], 0.0, out)
+    rows_o = r0 + gl.arange(0, WG_ROWS, layout=row_o)
+    o_ptrs = O_ptr + b.to(gl.int64) * stride_ob + h * stride_oh + rows_o[:, None] * stride_om + d_o[None, :]
+    gl.store(o_ptrs, out.to(O_ptr.dtype.element_ty), mask=rows_o[:, None] < NQ)
+    if RETURN_LSE:
+        l_e = gl.where(l_i == 0.0, 1.0, l_i)
+        lse = (m_i + gl.log2(l_e) - LOG2_PMAX) * 0.6931471805599453
+        lse = gl.where(l_i == 0.0, float("-inf"), lse)
+        gl.store(LSE_ptr + pid_bh.to(gl.int64) * NQ + rows, lse, mask=rows < NQ)
+
+
+@gluon.jit
+def _sage2_fwd_gluon(
+    Q_ptr, k_desc, vt_desc, ks_desc, ds_desc, QS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr,
+    stride_ob, stride_oh, stride_om,
+    NQ, NK, NK_PAD, H, GROUP, NQB, qk_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, Q_BLOCK: gl.constexpr,
+    SMOOTH_Q: gl.constexpr, SMOOTH_K: gl.constexpr, SMOOTH_V: gl.constexpr, RETURN_LSE: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Program ``(q block of 128 rows, b·H + h)``; launched with 4 warps (consumer 0), consumer 1 (4 warps) and
+    the producer (1 warp) are the worker partitions."""
+    ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                        order=[1, 0])
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    bh_kv = b * (H // GROUP) + h // GROUP
+    m0 = pid_m * (2 * WG_ROWS)
+
+    # the program's Q tile (int8) into shared memory once
+    rows_ld = m0 + gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, ld))
+    d_ld = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    q = gl.load(Q_ptr + (pid_bh.to(gl.int64) * NQ + rows_ld[:, None]) * HEAD_DIM + d_ld[None, :],
+                mask=rows_ld[:, None] < NQ, other=0)
+    q_s = gl.allocate_shared_memory(gl.int8, [2 * WG_ROWS, HEAD_DIM], k_desc.layout, q)
+
+    k_row0 = bh_kv * NK_PAD  # key 0 of this kv head in the (B·Hkv·Nk_pad, D) view and the flat K scales
+    v_row0 = bh_kv * HEAD_DIM  # channel 0 in the (B·Hkv·D, Nk_pad) view
+    ds_row0 = (pid_bh * NQB + m0 // Q_BLOCK) * NK_PAD  # this q block's ΔS row (flat)
+
+    # per stage a "ready" mbarrier for K and one for Vᵀ (TMA bytes landed), and an "empty" one (both consumers are
+    # done with the block: K is held one iteration past its use, so that one arrival releases K and V)
+    k_s = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    ks_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ks_desc.layout)
+    ds_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ks_desc.layout)
+    v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], vt_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BLOCK_N), element_bitwidth=8, rank=2)
+    p_s = gl.allocate_shared_memory(gl.float8e4nv, [4, WG_ROWS, BLOCK_N], p_layout)  # consumer c: 2c, 2c + 1
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # one arrival a consumer
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    hopper.fence_async_shared()  # Q tile and barrier inits before the async proxy reads them
+
+    n_blocks = NK_PAD // BLOCK_N
+    gl.warp_specialize([
+        (_consumer, (0, q_s, p_s, k_s, ks_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn,
+                     QS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
+                     pid_bh, b, h, bh_kv, m0, n_blocks, NQ, NK, NQB, qk_scale,
+                     BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE)),
+        (_consumer, (1, q_s, p_s, k_s, ks_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn,
+                     QS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
+                     pid_bh, b, h, bh_kv, m0, n_blocks, NQ, NK, NQB, qk_scale,
+                     BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE)),
+        (_kv_producer, (k_desc, ks_desc, ds_desc, vt_desc, k_s, ks_s, ds_s, v_s, k_ready, v_ready, kv_empty,
+                        k_row0, ds_row0, v_row0, n_blocks, BLOCK_N, HEAD_DIM, STAGES, SMOOTH_Q)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_ready.index(i))
+        mbarrier.invalidate(v_ready.index(i))
+        mbarrier.invalidate(kv_empty.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(turn.index(i))
+
+
+def wgmma_key_order(n: int, device: torch.device) -> torch.Tensor:
+    """Key permutation (n,) (a multiple of 32) that puts the FP8 P̃·V operand in the score accumulator's
+    register order: position 32g + k holds key 32g + 16k₄ + 8k₁ + 4k₃ + 2k₂ + k₀."""
+    k = torch.arange(32, device=device)
+    bit = [(k >> i) & 1 for i in range(5)]
+    col = 16 * bit[4] + 8 * bit[1] + 4 * bit[3] + 2 * bit[2] + bit[0]
+    return (torch.arange(0, n, 32, device=device)[:, None] + col[None, :]).reshape(-1)
+
+
+def permute_v_keys(v_hat_t: torch.Tensor) -> torch.Tensor:
+    """``v_hat_t (B, Hkv, D, Nk_pad)`` FP8 with its keys in :func:`wgmma_key_order` (the kernel's Vᵀ)."""
+    order = wgmma_key_order(v_hat_t.shape[-1], v_hat_t.device)
+    return v_hat_t.view(torch.uint8).index_select(-1, order).view(v_hat_t.dtype)
+
+
+def attn_sage2_gluon(
+    x: QuantizedQKV,
+    nk: int,
+    *,
+    sm_scale: float | None = None,
+    return_lse: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+    block_q: int = 128,
+    block_n: int = 128,
+    stages: int = 4,
+    v_keys_permuted: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-causal sage2 attention over :func:`~quantpatch.kernels.qk_quant_triton.quantize_qkv` operands.
+
+    ``v_keys_permuted``: ``x.v_hat_t`` through :func:`permute_v_keys`, if the caller has it (else made here).
+    Returns ``o (B, H, Nq, D)`` in ``out_dtype`` and ``lse (B, H, Nq)`` (empty unless asked), as
+    :func:`~quantpatch.kernels.attn_qk_int8_pv_fp8_triton.attn_qk_int8_pv_fp8`.
+    """
+    b, h, nq, d = x.q_hat.shape
+    hkv, nk_pad = x.k_hat.shape[1], x.k_hat.shape[2]
+    if x.q_hat.dtype != torch.int8 or x.v_hat_t.dtype != torch.float8_e4m3fn or x.v_scale.numel() == 1:
+        raise ValueError("attn_sage2_gluon takes INT8 Q/K, FP8 V with per-channel scales (sage2)")
+    if nk_pad % block_n or block_q % BLOCK_M:
+        raise ValueError(f"Nk_pad={nk_pad} must be a multiple of block_n={block_n}, block_q={block_q} of {BLOCK_M}")
+    if x.delta_s.numel() >= 2**31:
+        raise ValueError("ΔS too large for 32-bit TMA coordinates")
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    o = torch.empty((b, h, nq, d), device=x.q_hat.device, dtype=out_dtype)
+    lse = torch.empty((b, h, nq) if return_lse else (0,), device=o.device, dtype=torch.float32)
+    smooth_q = x.delta_s.numel() > 0
+    v_t = permute_v_keys(x.v_hat_t) if v_keys_permuted is None else v_keys_permuted
+    k_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    v_layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, block_n), element_bitwidth=8, rank=2)
+    vec_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    k_desc = TensorDescriptor.from_tensor(x.k_hat.view(b * hkv * nk_pad, d), [block_n, d], k_layout)
+    vt_desc = TensorDescriptor.from_tensor(v_t.view(b * hkv * d, nk_pad), [d, block_n], v_layout)
+    ks_desc = TensorDescriptor.from_tensor(x.k_scale.view(-1), [block_n], vec_layout)
+    ds_desc = TensorDescriptor.from_tensor(x.delta_s.view(-1), [block_n], vec_layout) if smooth_q else ks_desc
+    _sage2_fwd_gluon[(triton.cdiv(nq, BLOCK_M), b * h)](
+        x.q_hat, k_desc, vt_desc, ks_desc, ds_desc, x.q_scale, x.q_mean, x.k_mean, x.v_scale, x.v_mean, o, lse,
+        o.stride(0), o.stride(1), o.stride(2),
+        nq, nk, nk_pad, h, h // hkv, x.delta_s.shape[2] if smooth_q else 1, scale * LOG2E,
+        HEAD_DIM=d, BLOCK_N=block_n, Q_BLOCK=block_q,
+        SMOOTH_Q=smooth_q, SMOOTH_K=x.k_mean.numel() > 0, SMOOTH_V=x.v_mean.numel() > 0, RETURN_LSE=return_lse,
+        STAGES=stages, num_warps=4,
+    )
+    return o, lse

@@ -1,0 +1,103 @@
+"""The Gluon sage2 kernel (:mod:`quantpatch.kernels.attn_gluon`) against the Triton kernel over the same operands.
+
+Both compute the same numerics in the same key-block order (block_n 128), so the outputs differ only where an FMA
+contraction flips an FP8 rounding of P̃ at a tie: rel-L1 ≤ OUT_TOL (the Triton suite's bound for bf16 outputs) and
+LSE to LSE_ATOL. GPU only (Gluon has no interpreter), sm_90; the key permutation and launch checks run everywhere.
+"""
+
+import pytest
+import torch
+
+from quantpatch.metrics import rel_l1
+from quantpatch.synthetic import attention_inputs
+from tests.gpu import hopper, needs_cuda
+
+OUT_TOL = 1.2e-2  # bf16 output (tests/kernels/test_attention_triton.py)
+LSE_ATOL = 2e-4
+
+
+def test_wgmma_key_order_is_a_permutation_within_each_32_keys():
+    from quantpatch.kernels.attn_gluon import wgmma_key_order
+
+    order = wgmma_key_order(96, torch.device("cpu"))
+    assert sorted(order.tolist()) == list(range(96))
+    assert torch.equal(order // 32, torch.arange(96) // 32)
+    assert order[:8].tolist() == [0, 1, 8, 9, 2, 3, 10, 11]  # position k holds 16k₄ + 8k₁ + 4k₃ + 2k₂ + k₀
+
+
+def test_permute_v_keys_moves_whole_key_columns():
+    from quantpatch.kernels.attn_gluon import permute_v_keys, wgmma_key_order
+
+    v = torch.randn(1, 2, 4, 64).to(torch.float8_e4m3fn)
+    out = permute_v_keys(v)
+    order = wgmma_key_order(64, v.device)
+    assert torch.equal(out.view(torch.uint8), v.view(torch.uint8)[..., order])
+
+
+def _operands(nq, nk, heads, kv_heads, smooth_q=True, seed=0):
+    import quantpatch as qp
+    from quantpatch.kernels import fast_paths
+    from quantpatch.kernels.qk_quant_triton import QuantizedQKV
+
+    q, k, v = attention_inputs("outliers", batch=2, heads=heads, kv_heads=kv_heads, seq_q=nq, seq_k=nk,
+                               head_dim=128, seed=seed)
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in (q, k, v))
+    cfg = qp.get_mode("sage2-8b").attention
+    opts = fast_paths.quant_options(cfg) | dict(smooth_q=smooth_q)
+    return QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **opts)), cfg
+
+
+@pytest.mark.gpu
+@needs_cuda
+@hopper
+@pytest.mark.parametrize("nq, nk", [(1, 1), (113, 239), (1000, 1000), (239, 4096), (4096, 4096)])
+@pytest.mark.parametrize("smooth_q", [True, False])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_gpu_gluon_matches_the_triton_kernel(nq, nk, smooth_q, stages):
+    from quantpatch.kernels.attn_gluon import attn_sage2_gluon
+    from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
+
+    x, cfg = _operands(nq, nk, heads=4, kv_heads=2, smooth_q=smooth_q, seed=nq + nk)
+    ref, ref_lse = attn_qk_int8_pv_fp8(x, nk, return_lse=True, block_q=cfg.block_q, block_m=64, block_n=128,
+                                       num_warps=4, num_stages=2)
+    out, lse = attn_sage2_gluon(x, nk, return_lse=True, block_q=cfg.block_q, stages=stages)
+    assert torch.isfinite(out).all()
+    assert rel_l1(out.float(), ref.float()) <= OUT_TOL
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=LSE_ATOL)
+
+
+@pytest.mark.parametrize(
+    "mode, head_dim, nk, is_causal, takes",
+    [("sage2-8b", 128, 4096, False, True), ("sage2-4b", 128, 8192, False, True),
+     ("sage2-8b", 128, 4095, False, False), ("sage2-8b", 128, 4096, True, False),
+     ("sage2-8b", 64, 4096, False, False), ("int8-flash", 128, 4096, False, False),
+     ("fireq", 128, 4096, False, False)],
+)
+def test_gluon_takes_sage2_non_causal_head_dim_128_long_calls_only(mode, head_dim, nk, is_causal, takes):
+    import quantpatch as qp
+    from quantpatch.kernels.fast_paths import gluon_takes
+
+    assert gluon_takes(qp.get_mode(mode).attention, head_dim, nk, is_causal) is takes
+
+
+@pytest.mark.gpu
+@needs_cuda
+@hopper
+def test_gpu_public_api_takes_the_gluon_kernel_on_long_non_causal_calls():
+    """``quantpatch.attention`` at 4096 keys returns the Gluon kernel's output bit for bit (same operands), and it
+    is within the Triton kernel's bound of the Triton kernel's."""
+    import quantpatch as qp
+    from quantpatch.kernels import fast_paths
+    from quantpatch.kernels.attn_gluon import attn_sage2_gluon
+    from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
+    from quantpatch.kernels.qk_quant_triton import QuantizedQKV
+
+    q, k, v = attention_inputs("outliers", batch=1, heads=4, kv_heads=2, seq_q=300, seq_k=4096, head_dim=128, seed=3)
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in (q, k, v))
+    cfg = qp.get_mode("sage2-8b").attention
+    x = QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **fast_paths.quant_options(cfg)))
+    o = qp.attention(q, k, v, mode="sage2-8b", strict=True)
+    gluon, _ = attn_sage2_gluon(x, 4096, block_q=cfg.block_q)
+    triton_o, _ = attn_qk_int8_pv_fp8(x, 4096, block_q=cfg.block_q, **fast_paths.kernel_blocks(cfg, 128))
+    assert torch.equal(o, gluon)
+    assert rel_l1(o.float(), triton_o.float()) <= OUT_TOL
