@@ -8,7 +8,7 @@ For B=4, H=32, D ∈ {64, 128}, N ∈ {1k … 32k}, causal and not, bf16 inputs:
   eager rows at short lengths); its ratios are against the baselines' graph rows;
 * ``quant``: the quantization pass alone (``quantpatch::quantize_qkv``);
 * ``kernel``: the attention kernel alone on pre-quantized operands (the one the ``e2e`` call takes: the Gluon
-  kernel where ``fast_paths.gluon_takes``, which includes its Vᵀ key permutation);
+  kernel where ``fast_paths.gluon_takes``);
 * ``sdpa-flash`` / ``sdpa-cudnn``: ``F.scaled_dot_product_attention`` under
   ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` / ``(SDPBackend.CUDNN_ATTENTION)``.
 
@@ -175,7 +175,9 @@ def speed_rows(args) -> list[dict]:
                 logger.warning("%s failed at D=%d N=%d: %s", name, d, n, err)
         for mode in args.modes:
             cfg = mode_config(mode)
-            opts = fast_paths.quant_options(cfg)
+            gluon = (fast_paths.gluon_takes(cfg, d, n, causal)
+                     and fast_paths.ATTENTION_GLUON.unsupported(torch.device("cuda")) is None)
+            opts = fast_paths.quant_options(cfg) | dict(v_key_order=gluon)  # as the e2e call quantizes
             blocks = fast_paths.kernel_blocks(cfg, d)
             def e2e(i, c=cfg):
                 return qp.attention(*sets[i], mode=c, is_causal=causal, strict=True)
@@ -187,7 +189,7 @@ def speed_rows(args) -> list[dict]:
             parts = [fast_paths.quantize_qkv_op(*s, **opts) for s in sets]
             extra = (n, causal, 1 / math.sqrt(d), False, torch.bfloat16, cfg.block_q, cfg.l_from_quantized_p,
                      cfg.two_level_accum, blocks["block_m"], blocks["block_n"], blocks["num_warps"],
-                     blocks["num_stages"], cfg.exp == "sas", cfg.pv_qmax, fast_paths.gluon_takes(cfg, d, n, causal))
+                     blocks["num_stages"], cfg.exp == "sas", cfg.pv_qmax, gluon)
             add(mode, "kernel", bench(lambda i, p=parts, e=extra: fast_paths.attn_qk_int8_pv_fp8_op(*p[i], *e),
                                       n_sets, args.warmup, args.rep))
             parts = None

@@ -269,9 +269,12 @@ def wgmma_key_order(n: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(0, n, 32, device=device)[:, None] + col[None, :]).reshape(-1)
 
 
-def permute_v_keys(v_hat_t: torch.Tensor) -> torch.Tensor:
-    """``v_hat_t (B, Hkv, D, Nk_pad)`` FP8 with its keys in :func:`wgmma_key_order` (the kernel's Vᵀ)."""
+def permute_v_keys(v_hat_t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """``v_hat_t (B, Hkv, D, Nk_pad)`` FP8 with its keys in :func:`wgmma_key_order` (the kernel's Vᵀ; what
+    ``quantize_qkv(..., v_key_order=True)`` writes), or back (``inverse``). A gather pass: tests and fallbacks."""
     order = wgmma_key_order(v_hat_t.shape[-1], v_hat_t.device)
+    if inverse:
+        order = torch.argsort(order)
     return v_hat_t.view(torch.uint8).index_select(-1, order).view(v_hat_t.dtype)
 
 
@@ -289,7 +292,8 @@ def attn_sage2_gluon(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-causal sage2 attention over :func:`~quantpatch.kernels.qk_quant_triton.quantize_qkv` operands.
 
-    ``v_keys_permuted``: ``x.v_hat_t`` through :func:`permute_v_keys`, if the caller has it (else made here).
+    ``v_keys_permuted``: ``x.v_hat_t`` with its keys in :func:`wgmma_key_order` if the caller has it
+    (``quantize_qkv(..., v_key_order=True)``); else :func:`permute_v_keys` makes it here (an extra pass).
     Returns ``o (B, H, Nq, D)`` in ``out_dtype`` and ``lse (B, H, Nq)`` (empty unless asked), as
     :func:`~quantpatch.kernels.attn_qk_int8_pv_fp8_triton.attn_qk_int8_pv_fp8`.
     """

@@ -163,20 +163,20 @@ def _quantized_meta(q, k, *, qk_format, smooth_q, smooth_k, smooth_v, pv_format,
 def quantize_qkv_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str, qk_granularity: str, qk_qmax: int,
     smooth_q: bool, smooth_k: bool, smooth_v: bool, pv_format: str, pv_qmax: int, v_granularity: str,
-    block_q: int, block_k: int, warps: int, pad_to: int,
+    block_q: int, block_k: int, warps: int, pad_to: int, v_key_order: bool = False,
 ) -> list[torch.Tensor]:
     """Custom-op form of :func:`quantize_qkv` (returns the fields of ``QuantizedQKV`` as a list)."""
     out = quantize_qkv(
         q, k, v, qk_format=qk_format, qk_granularity=qk_granularity, qk_qmax=qk_qmax, smooth_q=smooth_q,
         smooth_k=smooth_k, smooth_v=smooth_v, pv_format=pv_format, pv_qmax=pv_qmax, v_granularity=v_granularity,
-        block_q=block_q, block_k=block_k, warps=warps, pad_to=pad_to,
+        block_q=block_q, block_k=block_k, warps=warps, pad_to=pad_to, v_key_order=v_key_order,
     )
     return list(out)
 
 
 @quantize_qkv_op.register_fake
 def _(q, k, v, qk_format, qk_granularity, qk_qmax, smooth_q, smooth_k, smooth_v, pv_format, pv_qmax, v_granularity,
-      block_q, block_k, warps, pad_to):
+      block_q, block_k, warps, pad_to, v_key_order=False):
     return _quantized_meta(q, k, qk_format=qk_format, smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v,
                            pv_format=pv_format, v_granularity=v_granularity, block_q=block_q, block_k=block_k,
                            pad_to=pad_to)
@@ -190,14 +190,15 @@ def _attend(
     turbo: bool, p_qmax: int, gluon: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attn_qk_int8_pv_fp8` over the fields of ``QuantizedQKV`` (the custom op's body); with ``gluon``
-    (:func:`gluon_takes`) the Gluon kernel where :data:`ATTENTION_GLUON` opens."""
+    (operands quantized with ``v_key_order``) the Gluon kernel."""
     x = QuantizedQKV(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean)
-    if gluon and ATTENTION_GLUON.unsupported(q_hat.device) is None:
+    if gluon:
         try:
             return _attn_gluon.attn_sage2_gluon(x, nk, sm_scale=sm_scale, return_lse=return_lse, out_dtype=out_dtype,
-                                                block_q=block_q)
+                                                block_q=block_q, v_keys_permuted=v_hat_t)
         except triton.CompilationError as err:  # a Triton whose Gluon API differs: warn once, Triton serves
             ATTENTION_GLUON.close(q_hat.device, err)
+            x = x._replace(v_hat_t=_attn_gluon.permute_v_keys(v_hat_t, inverse=True))
     return attn_qk_int8_pv_fp8(
         x, nk, is_causal=is_causal, sm_scale=sm_scale, return_lse=return_lse, out_dtype=out_dtype, block_q=block_q,
         l_from_quantized_p=l_from_quantized_p, two_level_accum=two_level_accum, block_m=block_m, block_n=block_n,
@@ -244,12 +245,14 @@ def quantized_attention(
     """
     compiling = torch.compiler.is_compiling()
     quantize = quantize_qkv_op if compiling else quantize_qkv
-    parts = quantize(q, k, v, **quant_options(cfg))
+    gluon = (blocks is None and gluon_takes(cfg, q.shape[-1], k.shape[2], is_causal)
+             and ATTENTION_GLUON.unsupported(q.device) is None)
+    parts = quantize(q, k, v, **quant_options(cfg), v_key_order=gluon)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     kb = kernel_blocks(cfg, q.shape[-1]) if blocks is None else blocks
     options = (k.shape[2], is_causal, sm_scale, return_lse, q.dtype, cfg.block_q, cfg.l_from_quantized_p,
                cfg.two_level_accum, kb["block_m"], kb["block_n"], kb["num_warps"], kb["num_stages"],
-               cfg.exp == "sas", cfg.pv_qmax, blocks is None and gluon_takes(cfg, q.shape[-1], k.shape[2], is_causal))
+               cfg.exp == "sas", cfg.pv_qmax, gluon)
     attend = attn_qk_int8_pv_fp8_op if compiling else _attend
     o, lse = attend(*parts, *options)
     if return_lse and cfg.smooth_k:  # the kernel's LSE is that of the K-smoothed scores

@@ -338,10 +338,11 @@ def _quant_kv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, GBLOCK: tl.constexpr, GRAN: tl.constexpr, QMAX: tl.constexpr,
     K_FMT: tl.constexpr, SMOOTH_K: tl.constexpr,
     V_MODE: tl.constexpr, V_FMT: tl.constexpr, V_QMAX: tl.constexpr, SMOOTH_V: tl.constexpr,
-    EMULATE: tl.constexpr,
+    V_KEY_ORDER: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """BLOCK key rows of one kv head (rows past Nk, up to Nk_pad, are written as zeros):
-    smooth + quantize K, quantize V and write it transposed (statistics from the finalize pass)."""
+    smooth + quantize K, quantize V and write it transposed (statistics from the finalize pass); with
+    ``V_KEY_ORDER`` the keys of each 32 in the Gluon kernel's order (``attn_gluon.wgmma_key_order``)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # offsets of large tensors exceed int32
     b = pid_bh // HKV
@@ -381,7 +382,10 @@ def _quant_kv_kernel(
             vq = tl.minimum(tl.maximum(_rne(y), -V_QMAX), V_QMAX).to(tl.int8)
         else:
             vq = _to_fp8e4m3(y, EMULATE)
-        tl.store(VT_ptr + (pid_bh * HEAD_DIM + offs_d[None, :]) * NK_PAD + rows[:, None], vq)
+        cols = rows
+        if V_KEY_ORDER:  # key 16b₄+8b₃+4b₂+2b₁+b₀ of each 32 goes to column 16b₄+8b₂+4b₁+2b₃+b₀
+            cols = (rows & ~31) | (rows & 17) | ((rows & 6) << 1) | ((rows & 8) >> 2)
+        tl.store(VT_ptr + (pid_bh * HEAD_DIM + offs_d[None, :]) * NK_PAD + cols[:, None], vq)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -443,11 +447,14 @@ def quantize_qkv(
     block_k: int = 64,
     warps: int = 4,
     pad_to: int = 128,
+    v_key_order: bool = False,
 ) -> QuantizedQKV:
     """Quantize ``q (B, H, Nq, D)``, ``k, v (B, Hkv, Nk, D)`` (fp16/bf16, last dim contiguous).
 
     Args mirror :class:`quantpatch.config.AttentionConfig`; ``pad_to`` is the key block of the
-    attention kernel (``Nk_pad = ceil(Nk / pad_to) · pad_to``, a multiple of ``block_k``).
+    attention kernel (``Nk_pad = ceil(Nk / pad_to) · pad_to``, a multiple of ``block_k``);
+    ``v_key_order``: ``v_hat_t``'s keys in the Gluon kernel's order (``attn_gluon.permute_v_keys``),
+    for :func:`~quantpatch.kernels.attn_gluon.attn_sage2_gluon` only.
 
     Returns:
         :class:`QuantizedQKV` on ``q``'s device, launched on the current stream.
@@ -553,7 +560,7 @@ def quantize_qkv(
         nk, nk_pad, hkv, nkb,
         HEAD_DIM=d, BLOCK=block_k, GBLOCK=block_k, GRAN=GRAN_IDS[qk_granularity], QMAX=q_max,
         K_FMT=qk_fmt, SMOOTH_K=smooth_k,
-        V_MODE=v_mode, V_FMT=v_fmt, V_QMAX=v_max, SMOOTH_V=smooth_v, EMULATE=emulate,
+        V_MODE=v_mode, V_FMT=v_fmt, V_QMAX=v_max, SMOOTH_V=smooth_v, V_KEY_ORDER=v_key_order, EMULATE=emulate,
         num_warps=4,
     )
     return QuantizedQKV(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean)

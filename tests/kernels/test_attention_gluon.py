@@ -10,7 +10,7 @@ import torch
 
 from quantpatch.metrics import rel_l1
 from quantpatch.synthetic import attention_inputs
-from tests.gpu import hopper, needs_cuda
+from tests.gpu import DEVICE, hopper, needs_cuda
 
 OUT_TOL = 1.2e-2  # bf16 output (tests/kernels/test_attention_triton.py)
 LSE_ATOL = 2e-4
@@ -101,3 +101,24 @@ def test_gpu_public_api_takes_the_gluon_kernel_on_long_non_causal_calls():
     triton_o, _ = attn_qk_int8_pv_fp8(x, 4096, block_q=cfg.block_q, **fast_paths.kernel_blocks(cfg, 128))
     assert torch.equal(o, gluon)
     assert rel_l1(o.float(), triton_o.float()) <= OUT_TOL
+
+
+def test_quantization_writes_v_in_the_gluon_key_order_when_asked():
+    """``v_key_order=True``: ``v_hat_t`` bit for bit the plain one through :func:`permute_v_keys` (and back), every
+    other output unchanged (interpreter in CI, compiled on a GPU)."""
+    import quantpatch as qp
+    from quantpatch.kernels import fast_paths
+    from quantpatch.kernels.attn_gluon import permute_v_keys
+    from quantpatch.kernels.qk_quant_triton import quantize_qkv
+
+    q, k, v = (t.to(DEVICE, torch.float16) for t in attention_inputs(
+        "outliers", batch=1, heads=2, kv_heads=1, seq_q=40, seq_k=200, head_dim=64, seed=5))
+    opts = fast_paths.quant_options(qp.get_mode("sage2-8b").attention)
+    plain = quantize_qkv(q, k, v, **opts)
+    ordered = quantize_qkv(q, k, v, **opts, v_key_order=True)
+    assert torch.equal(ordered.v_hat_t.view(torch.uint8), permute_v_keys(plain.v_hat_t).view(torch.uint8))
+    assert torch.equal(permute_v_keys(ordered.v_hat_t, inverse=True).view(torch.uint8),
+                       plain.v_hat_t.view(torch.uint8))
+    for name in plain._fields:
+        if name != "v_hat_t":
+            assert torch.equal(getattr(ordered, name), getattr(plain, name)), name
