@@ -361,10 +361,14 @@ def _quant_kv_kernel(
     tl.store(KS_ptr + pid_bh * NK_PAD + rows, tl.where(rows < NK, k_scale, 0.0))
 
     if V_MODE != 0:  # V, written transposed: VT[b, hk, d, token]
-        v = tl.load(V_ptr + b * stride_vb + hk * stride_vh + rows[:, None] * stride_vn + offs_d[None, :],
-                    mask=valid, other=0.0).to(tl.float32)
+        v_rows = rows
+        if V_KEY_ORDER:  # column 32g + k holds key 32g + 16k₄ + 8k₁ + 4k₃ + 2k₂ + k₀: rows read in that order
+            v_rows = (rows & ~15) | (rows & 1) | ((rows & 2) << 2) | ((rows & 12) >> 1)
+        v_valid = v_rows[:, None] < NK
+        v = tl.load(V_ptr + b * stride_vb + hk * stride_vh + v_rows[:, None] * stride_vn + offs_d[None, :],
+                    mask=v_valid, other=0.0).to(tl.float32)
         if SMOOTH_V:
-            v = tl.where(valid, v - tl.load(VM_ptr + pid_bh * HEAD_DIM + offs_d)[None, :], 0.0)
+            v = tl.where(v_valid, v - tl.load(VM_ptr + pid_bh * HEAD_DIM + offs_d)[None, :], 0.0)
         if V_MODE == 1:  # per channel (scale from the finalize pass)
             y = _div_by(v, tl.load(VS_ptr + pid_bh * HEAD_DIM + offs_d)[None, :])
         elif V_MODE == 2:  # one scale for the whole tensor
@@ -382,10 +386,7 @@ def _quant_kv_kernel(
             vq = tl.minimum(tl.maximum(_rne(y), -V_QMAX), V_QMAX).to(tl.int8)
         else:
             vq = _to_fp8e4m3(y, EMULATE)
-        cols = rows
-        if V_KEY_ORDER:  # key 16b₄+8b₃+4b₂+2b₁+b₀ of each 32 goes to column 16b₄+8b₂+4b₁+2b₃+b₀
-            cols = (rows & ~31) | (rows & 17) | ((rows & 6) << 1) | ((rows & 8) >> 2)
-        tl.store(VT_ptr + (pid_bh * HEAD_DIM + offs_d[None, :]) * NK_PAD + cols[:, None], vq)
+        tl.store(VT_ptr + (pid_bh * HEAD_DIM + offs_d[None, :]) * NK_PAD + rows[:, None], vq)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -470,6 +471,9 @@ def quantize_qkv(
             raise ValueError(f"{name}={blk} must be a power of two >= 16")
     if pad_to % block_k:
         raise ValueError(f"pad_to={pad_to} must be a multiple of block_k={block_k}")
+    if v_key_order and (block_k < 32 or v_granularity == "block"):
+        raise ValueError("v_key_order reorders keys within 32: it needs block_k >= 32 and V scales that are not "
+                         f"per block (got block_k={block_k}, v_granularity={v_granularity!r})")
     qk_fmt = _fmt_id(qk_format)
     v_fmt = _fmt_id(pv_format)
     q_max = FP8_MAX["fp8_e4m3"] if qk_fmt == FMT_FP8 else float(qk_qmax)

@@ -122,3 +122,12 @@ def test_quantization_writes_v_in_the_gluon_key_order_when_asked():
     for name in plain._fields:
         if name != "v_hat_t":
             assert torch.equal(getattr(ordered, name), getattr(plain, name)), name
+
+
+@pytest.mark.parametrize("options", [dict(block_k=16), dict(v_granularity="block", pv_format="int8")])
+def test_v_key_order_rejects_key_blocks_it_would_cross(options):
+    from quantpatch.kernels.qk_quant_triton import quantize_qkv
+
+    q = torch.zeros(1, 1, 8, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="v_key_order"):
+        quantize_qkv(q, q, q, v_key_order=True, **options)
