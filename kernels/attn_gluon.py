@@ -27,9 +27,10 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .gluon_compat import cta_barrier, tma_load
 from .qk_quant_triton import QuantizedQKV
 
 LOG2E = 1.4426950408889634
@@ -37,8 +38,6 @@ WG_ROWS = gl.constexpr(64)  # query rows of a consumer warpgroup (wgmma M)
 BLOCK_M = 128  # query rows of a program: two consumer warpgroups
 CONSUMER_REGS = gl.constexpr(232)  # setmaxnreg: 2 · 128 · 232 + 128 · 24 ≤ 64 K
 PRODUCER_REGS = gl.constexpr(24)
-
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -52,12 +51,12 @@ def _kv_producer(k_desc, ks_desc, ds_desc, vt_desc, k_s, ks_s, ds_s, v_s, k_read
         st = t % STAGES
         mbarrier.wait(kv_empty.index(st), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
         mbarrier.expect(k_ready.index(st), K_BYTES)
-        _tma_load(k_desc, [k_row0 + t * BLOCK_N, 0], k_ready.index(st), k_s.index(st))
-        _tma_load(ks_desc, [k_row0 + t * BLOCK_N], k_ready.index(st), ks_s.index(st))
+        tma_load(k_desc, [k_row0 + t * BLOCK_N, 0], k_ready.index(st), k_s.index(st))
+        tma_load(ks_desc, [k_row0 + t * BLOCK_N], k_ready.index(st), ks_s.index(st))
         if SMOOTH_Q:
-            _tma_load(ds_desc, [ds_row0 + t * BLOCK_N], k_ready.index(st), ds_s.index(st))
+            tma_load(ds_desc, [ds_row0 + t * BLOCK_N], k_ready.index(st), ds_s.index(st))
         mbarrier.expect(v_ready.index(st), BLOCK_N * HEAD_DIM)
-        _tma_load(vt_desc, [v_row0, t * BLOCK_N], v_ready.index(st), v_s.index(st))
+        tma_load(vt_desc, [v_row0, t * BLOCK_N], v_ready.index(st), v_s.index(st))
 
 
 @gluon.jit
@@ -93,7 +92,7 @@ def _publish(p_hat, p_smem):
     """P̃ (registers) into its shared-memory buffer, visible to the warpgroup's next wgmma (async proxy)."""
     p_smem.store(p_hat)
     hopper.fence_async_shared()
-    gl.thread_barrier()
+    cta_barrier()
 
 
 @gluon.jit

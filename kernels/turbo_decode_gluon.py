@@ -52,13 +52,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .attn_qk_int8_pv_fp8_triton import LOG2E, SAS_THRESHOLD
 from .compiled_launch import cdiv, next_pow2, relaunch, specialization
+from .gluon_compat import async_load, cta_barrier
 from .sas_ref import POLY_COEFFS
 from .turbo_decode_triton import default_num_splits as _triton_default_splits  # (defined before it imports this)
-
-# the CTA barrier: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7 on (both a plain bar.sync)
-_cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
-# cp.async global → shared: async_copy_global_to_shared in Triton 3.6, async_load later
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 HEAD_DIM = 128
 BITS = 4
@@ -400,7 +396,7 @@ def _turbo_decode_gluon(
     kbs = gl.load(KBS_ptr + bs_row + gl.minimum(lo + 1, hi - 1))  # block scales one block ahead of their use
     vbs = gl.load(VBS_ptr + bs_row + lo)
     async_copy.wait_group(STAGES - 1)  # group lo − 1 has landed (this lane's copies) ...
-    _cta_barrier()  # ... and every lane's
+    cta_barrier()  # ... and every lane's
     s = _block_scores(kc_s.index(0), sz_s.index(0), gl.load(KBS_ptr + bs_row + lo), qw_lo, qw_hi, qb_lo, qb_hi,
                       qb2_lo, qb2_hi, qs, sm_scale, mma_l, op_a, op_b, k_l, ks_l, PAIR, EXACT)
     for t in range(lo, hi - 1):
@@ -408,7 +404,7 @@ def _turbo_decode_gluon(
         kbs_n = gl.load(KBS_ptr + bs_row + gl.minimum(t + 2, hi - 1))
         vbs_n = gl.load(VBS_ptr + bs_row + t + 1)
         async_copy.wait_group(STAGES - 2)  # group t has landed (this lane's copies) ...
-        _cta_barrier()  # ... and every lane's; group t − 1's slot is free
+        cta_barrier()  # ... and every lane's; group t − 1's slot is free
         _copy_group(kc_s.index((st + STAGES - 1) % STAGES), vc_s.index((st + STAGES - 1) % STAGES),
                     sz_s.index((st + STAGES - 1) % STAGES), kc_base, vc_base, code_offs, sz_ptrs, sz_is_k,
                     gl.minimum(t + STAGES, hi - 1), gl.minimum(t + STAGES - 1, hi - 1), WITH_V=True)
@@ -419,7 +415,7 @@ def _turbo_decode_gluon(
         s = s_next
         kbs, vbs = kbs_n, vbs_n
     async_copy.wait_group(0)  # the last block's group (and any clamped copies after it)
-    _cta_barrier()
+    cta_barrier()
     st = (hi - lo) % STAGES
     m_i, l_i, acc_lo, acc_hi = _attend_block(s, vc_s.index(st), sz_s.index(st), vbs, m_i, l_i, acc_lo, acc_hi,
                                              mma_l, op_a, op_b, v_l, vu_l, vs_l, PMAX, PAIR, EXACT)
@@ -449,7 +445,7 @@ def _turbo_decode_gluon(
         acc_rows = ACC_ptr + part[None, :] * (2 * HALF)
         gl.store(acc_rows + ch[:, None], acc_lo, mask=row_ok[None, :])
         gl.store(acc_rows + ch[:, None] + 1, acc_hi, mask=row_ok[None, :])
-        _cta_barrier()  # every lane's partials are written before the ticket (release) is taken
+        cta_barrier()  # every lane's partials are written before the ticket (release) is taken
         ticket = gl.atomic_add(CNT_ptr + bh, 1, sem="acq_rel", scope="gpu")
         if ticket == NUM_SPLITS - 1:
             gl.atomic_xchg(CNT_ptr + bh, 0)  # zero again for the next call
@@ -480,11 +476,11 @@ def _q_operands(Q_ptr, b, head, ok, stride_qb, stride_qh, q_l: gl.constexpr, op_
 def _copy_group(kc_dst, vc_dst, sz_dst, kc_base, vc_base, code_offs, sz_ptrs, sz_is_k, tk, tv, WITH_V: gl.constexpr):
     """``cp.async`` of a copy group: block ``tk``'s K codes and ``s^int`` / ``z^int`` rows (``sz_is_k``), block
     ``tv``'s V codes (``WITH_V``) and rows; one commit group."""
-    _async_load(kc_dst, kc_base + tk * (BLOCK * HALF) + code_offs, cache_modifier=".cg")
+    async_load(kc_dst, kc_base + tk * (BLOCK * HALF) + code_offs, cache_modifier=".cg")
     if WITH_V:
-        _async_load(vc_dst, vc_base + tv * (BLOCK * HALF) + code_offs, cache_modifier=".cg")
+        async_load(vc_dst, vc_base + tv * (BLOCK * HALF) + code_offs, cache_modifier=".cg")
     rows = gl.max_contiguous(gl.multiple_of(sz_ptrs + gl.where(sz_is_k, tk, tv) * (2 * HALF), [1, 16]), [1, 16])
-    _async_load(sz_dst, rows, cache_modifier=".cg")
+    async_load(sz_dst, rows, cache_modifier=".cg")
     async_copy.commit_group()
 
 

@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from .compiled_launch import cdiv, next_pow2, relaunch
+from .gluon_compat import async_load, cta_barrier
 from .w4a8_gluon_operand import (
     GROUP,
     HALF,
@@ -59,8 +60,6 @@ from .w4a8_triton import (
     quantize_activation_fp8,
 )
 
-# the CTA barrier: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7 on (both a plain bar.sync)
-_cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 BLOCK_N = WG_ROWS  # output channels per program: wgmma's M
 MAX_TOKENS = 16  # wgmma's N at most here
 DEFAULT_GPC = 4  # groups per chunk (H200, M = 16: 4 beat 2 and 8 at both long-K shapes, NOTES version 12)
@@ -90,7 +89,7 @@ def _quantize_token(X_ptr, XQ_ptr, AS_ptr, C_ptr, m, K, stride_xm, QBLOCK: gl.co
     x_hat = gl.div_rn(x, beta).to(gl.float8e4nv)  # cvt.rn.satfinite
     gl.store(XQ_ptr + m * K + _fragment_slot(offs), x_hat, mask=offs < K)
     gl.store(AS_ptr + m, beta.to(gl.bfloat16))  # exact: β is on the bf16 grid
-    _cta_barrier()  # every thread's x̂ is written before the flag (release) counts this token
+    cta_barrier()  # every thread's x̂ is written before the flag (release) counts this token
     gl.atomic_add(C_ptr, 1, sem="release", scope="gpu")
 
 
@@ -111,7 +110,7 @@ def _request_x(x_s, buf, x_ptrs, x_ok, g, GPC: gl.constexpr):
     """x̂ of groups ``g … g + GPC − 1`` (``[BM, 128]`` e4m3 each, tokens ≥ M zero-filled) into buffer ``buf`` by
     cp.async (L2, not L1: the fused launch's x̂ was written by other programs); one commit group."""
     for j in gl.static_range(GPC):
-        async_copy.async_copy_global_to_shared(x_s.index(buf * GPC + j), x_ptrs + (g + j) * GROUP, mask=x_ok)
+        async_load(x_s.index(buf * GPC + j), x_ptrs + (g + j) * GROUP, mask=x_ok)
     async_copy.commit_group()
 
 
@@ -192,7 +191,7 @@ def _gemm_program(
             wb_next, sig_next = _load_chunk(w_ptrs, w_ok, s_ptrs, n_ok, (i + 1) * GPC, GPC)
         async_copy.wait_group(0)  # this thread's copies of chunk i landed
         hopper.fence_async_shared()  # ... and are visible to wgmma (the async proxy)
-        _cta_barrier()  # every thread's copies landed; every warp is past chunk i − 1, so its buffer is free
+        cta_barrier()  # every thread's copies landed; every warp is past chunk i − 1, so its buffer is free
         if i + 1 < CHUNKS:
             _request_x(x_s, (i + 1) % 2, x_ptrs, x_ok, (i + 1) * GPC, GPC)
         acc = _chunk_mma(acc, wb, sig, x_s, i % 2, acc_l, op_l, GPC)
@@ -210,7 +209,7 @@ def _gemm_program(
     else:
         p_ptrs = P_ptr + offs_m[None, :] * N + offs_n[:, None]
         gl.store(p_ptrs + run * M * N, acc, mask=mask)
-        _cta_barrier()  # every thread's partial is written before the ticket (release) is taken
+        cta_barrier()  # every thread's partial is written before the ticket (release) is taken
         ticket = gl.atomic_add(C_ptr + 2 + tile, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLIT_K - 1:
             total = gl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=".cg")

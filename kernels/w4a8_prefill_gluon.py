@@ -36,10 +36,11 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .compiled_launch import cdiv
+from .gluon_compat import tma_load
 from .w4a8_gluon_operand import (
     GROUP,
     HALF,
@@ -55,8 +56,6 @@ from .w4a8_gluon_operand import (
 from .w4a8_ref import GROUP_SIZE
 from .w4a8_triton import _check_operands, quantize_activation_fp8
 
-# the TMA load: tma.async_copy_global_to_shared in Triton 3.6, tma.async_load from 3.7 on
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 BLOCK_N = gl.constexpr(128)  # output channels per program: two consumer warpgroups'
 DEFAULT_BT = 128  # tokens per program (wgmma N)
 DEFAULT_STAGES = 4  # x̂ buffers in the ring (H200: 4 as good as or better than 2, 3 and 6, NOTES version 11)
@@ -71,7 +70,7 @@ def _x_producer(x_desc, x_s, ready, empty, m0, groups, BT: gl.constexpr, STAGES:
         slot = g % STAGES
         mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
         mbarrier.expect(ready.index(slot), BT * GROUP)
-        _tma_load(x_desc, [m0, g * GROUP], ready.index(slot), x_s.index(slot))
+        tma_load(x_desc, [m0, g * GROUP], ready.index(slot), x_s.index(slot))
 
 
 @gluon.jit
