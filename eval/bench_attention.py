@@ -8,7 +8,7 @@ For B=4, H=32, D ∈ {64, 128}, N ∈ {1k … 32k}, causal and not, bf16 inputs:
   eager rows at short lengths); its ratios are against the baselines' graph rows;
 * ``quant``: the quantization pass alone (``quantpatch::quantize_qkv``);
 * ``kernel``: the attention kernel alone on pre-quantized operands (the one the ``e2e`` call takes: the Gluon
-  kernel where ``fast_paths.gluon_takes``);
+  kernel where ``fast_paths.uses_gluon``);
 * ``sdpa-flash`` / ``sdpa-cudnn``: ``F.scaled_dot_product_attention`` under
   ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` / ``(SDPBackend.CUDNN_ATTENTION)``.
 
@@ -175,8 +175,7 @@ def speed_rows(args) -> list[dict]:
                 logger.warning("%s failed at D=%d N=%d: %s", name, d, n, err)
         for mode in args.modes:
             cfg = mode_config(mode)
-            gluon = (fast_paths.gluon_takes(cfg, d, n, causal)
-                     and fast_paths.ATTENTION_GLUON.unsupported(torch.device("cuda")) is None)
+            gluon = fast_paths.uses_gluon(cfg, torch.device("cuda"), d, n, causal)
             opts = fast_paths.quant_options(cfg) | dict(v_key_order=gluon)  # as the e2e call quantizes
             blocks = fast_paths.kernel_blocks(cfg, d)
             def e2e(i, c=cfg):

@@ -134,6 +134,12 @@ def gluon_takes(cfg: AttentionConfig, head_dim: int, nk: int, is_causal: bool) -
             and not is_causal and head_dim == 128 and nk >= GLUON_MIN_KEYS)
 
 
+def uses_gluon(cfg: AttentionConfig, device: torch.device, head_dim: int, nk: int, is_causal: bool) -> bool:
+    """:func:`gluon_takes` and the Gluon kernel runs on ``device`` (:data:`ATTENTION_GLUON`): the call quantizes
+    with ``v_key_order`` and attends with the Gluon kernel."""
+    return gluon_takes(cfg, head_dim, nk, is_causal) and ATTENTION_GLUON.unsupported(device) is None
+
+
 # --------------------------------------------------------------------------- custom ops
 
 
@@ -245,8 +251,7 @@ def quantized_attention(
     """
     compiling = torch.compiler.is_compiling()
     quantize = quantize_qkv_op if compiling else quantize_qkv
-    gluon = (blocks is None and gluon_takes(cfg, q.shape[-1], k.shape[2], is_causal)
-             and ATTENTION_GLUON.unsupported(q.device) is None)
+    gluon = blocks is None and uses_gluon(cfg, q.device, q.shape[-1], k.shape[2], is_causal)
     parts = quantize(q, k, v, **quant_options(cfg), v_key_order=gluon)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     kb = kernel_blocks(cfg, q.shape[-1]) if blocks is None else blocks

@@ -75,9 +75,10 @@ def test_gpu_gluon_matches_the_triton_kernel(nq, nk, smooth_q, stages):
 )
 def test_gluon_takes_sage2_non_causal_head_dim_128_long_calls_only(mode, head_dim, nk, is_causal, takes):
     import quantpatch as qp
-    from quantpatch.kernels.fast_paths import gluon_takes
+    from quantpatch.kernels.fast_paths import gluon_takes, uses_gluon
 
     assert gluon_takes(qp.get_mode(mode).attention, head_dim, nk, is_causal) is takes
+    assert not uses_gluon(qp.get_mode(mode).attention, torch.device("cpu"), head_dim, nk, is_causal)  # sm_90 only
 
 
 @pytest.mark.gpu
