@@ -1,12 +1,14 @@
 """sage2 prefill attention in Gluon (Triton 3.6+, sm_90): FA3's schedule over the Triton kernel's numerics.
 
 Same operands and numerics as ``attn_qk_int8_pv_fp8_triton._attn_fwd_kernel`` for ``sage2`` (INT8 Q·Kᵀ with
-per-row Q and per-key K scales, ΔS, P̃ → e4m3 at the static 448 scale, FP8 P̃·V accumulated per key block then
+SageAttention2's per-thread Q and K scales, ΔS, P̃ → e4m3 at the static 448 scale, FP8 P̃·V accumulated per key block then
 added to the FP32 accumulator, per-channel V scale, optional V mean), non-causal, any Nq / Nk (tails masked),
 GQA, optional LSE.
 
 A program takes 128 query rows: two consumer warpgroups of 64 rows share one producer warp, which brings K
-(with its scales and ΔS) and Vᵀ blocks by TMA into ``STAGES``-deep rings. Each consumer runs (block j)::
+(with ΔS) and Vᵀ blocks by TMA into ``STAGES``-deep rings. Per-thread groups make δQ·δK one value a lane and
+64-key span, so S costs one multiply-add an element (with ΔS); each lane loads its δK two blocks ahead. Each
+consumer runs (block j)::
 
     [its turn]  issue Q·K_{j+1}, issue P̃_j·V_j        (async wgmma; then the other warpgroup's turn)
                 wait(1)  -> Q·K_{j+1} done               (P̃_j·V_j still runs)
@@ -36,39 +38,66 @@ from .qk_quant_triton import QuantizedQKV
 LOG2E = 1.4426950408889634
 WG_ROWS = gl.constexpr(64)  # query rows of a consumer warpgroup (wgmma M)
 BLOCK_M = 128  # query rows of a program: two consumer warpgroups
+# SageAttention2's per-thread groups (App. A.6) as this kernel reads them: rows 16w + i and 16w + 8 + i share δQ
+# (query blocks with block_q / warps a multiple of 16), and within each aligned span of K_SPAN keys the keys
+# 8r + 2g + b of lane group g share δK (block_k a multiple of 64), so δQ·δK is one value a thread and span
+K_SPAN = gl.constexpr(64)
 CONSUMER_REGS = gl.constexpr(232)  # setmaxnreg: 2 · 128 · 232 + 128 · 24 ≤ 64 K
 PRODUCER_REGS = gl.constexpr(24)
 
 
 @gluon.jit
-def _kv_producer(k_desc, ks_desc, ds_desc, vt_desc, k_s, ks_s, ds_s, v_s, k_ready, v_ready, kv_empty,
+def _kv_producer(k_desc, ds_desc, vt_desc, k_s, ds_s, v_s, k_ready, v_ready, kv_empty,
                  k_row0, ds_row0, v_row0, n_blocks, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                  STAGES: gl.constexpr, SMOOTH_Q: gl.constexpr):
-    """Producer warp: K block t (int8 tile, its scales, ΔS) and Vᵀ block t into stage ``t % STAGES`` by TMA once
-    both consumers have released the stage (after their P̃·V of block t - STAGES)."""
-    K_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM + BLOCK_N * 4 * (1 + SMOOTH_Q)
+    """Producer warp: K block t (int8 tile, ΔS) and Vᵀ block t into stage ``t % STAGES`` by TMA once both consumers
+    have released the stage (after their P̃·V of block t - STAGES)."""
+    K_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM + BLOCK_N * 4 * SMOOTH_Q
     for t in range(n_blocks):
         st = t % STAGES
         mbarrier.wait(kv_empty.index(st), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
         mbarrier.expect(k_ready.index(st), K_BYTES)
         tma_load(k_desc, [k_row0 + t * BLOCK_N, 0], k_ready.index(st), k_s.index(st))
-        tma_load(ks_desc, [k_row0 + t * BLOCK_N], k_ready.index(st), ks_s.index(st))
         if SMOOTH_Q:
             tma_load(ds_desc, [ds_row0 + t * BLOCK_N], k_ready.index(st), ds_s.index(st))
         mbarrier.expect(v_ready.index(st), BLOCK_N * HEAD_DIM)
         tma_load(vt_desc, [v_row0, t * BLOCK_N], v_ready.index(st), v_s.index(st))
 
 
+@triton.constexpr_function
+def _lane_scale_shape(block_n):
+    """Shape of the score tile ``(64, block_n)`` seen by per-thread groups: row = 16w + 8h + i, key =
+    64n + 8r + 2g + b (warp w, lane 4i + g; registers h, r, b), so δQ depends on (w, i) and δK on (n, g)."""
+    span = K_SPAN.value
+    return [4, 2, 8, block_n // span, span // 8, 4, 2]
+
+
 @gluon.jit
-def _softmax_block(s_f, ks_smem, ds_smem, qs, ds_shift, qk_scale, j, NK, m_i, l_i,
-                   BLOCK_N: gl.constexpr, SMOOTH_Q: gl.constexpr, col_s: gl.constexpr, p_op: gl.constexpr):
+def _lane_k_scale(KS_ptr, key0, lane7: gl.constexpr, BLOCK_N: gl.constexpr, valid=True):
+    """δK of the keys each lane holds in the key block starting at ``key0``: shape (1, 1, 1, BLOCK_N / 64, 1, 4, 1)
+    in ``lane7``, one load per 64-key span (key 2g of the span: every key a lane holds there is in its group)."""
+    kl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4,
+                                      gl.SliceLayout(6, lane7)))))  # dims (3, 5): span n, lane group g
+    span = gl.arange(0, BLOCK_N // K_SPAN, layout=gl.SliceLayout(1, kl))
+    g = gl.arange(0, 4, layout=gl.SliceLayout(0, kl))
+    ks = gl.load(KS_ptr + key0 + K_SPAN * span[:, None] + 2 * g[None, :], mask=valid, other=1.0)
+    return gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(ks, 0), 1), 2), 4), 6)
+
+
+@gluon.jit
+def _softmax_block(s_int, scale7, ds_smem, ds_shift, qk_scale, j, NK, m_i, l_i,
+                   BLOCK_N: gl.constexpr, SMOOTH_Q: gl.constexpr, col_s: gl.constexpr, row_s: gl.constexpr,
+                   p_op: gl.constexpr):
     """Online softmax of key block ``j``: S = (Q̂·K̂ᵀ) δQ δK (+ ΔS) in log2 units → P̃ as e4m3 at 448.
 
-    ``s_f (64, BLOCK_N)`` the int32 Q̂·K̂ᵀ in fp32 (exact: |Q̂·K̂ᵀ| < 2²⁴); returns ``p_hat`` (FP8, the A operand
-    of P̃·V), the rescale ``alpha (64,)`` of what came before, and the new running max and sum.
+    ``s_int (64, BLOCK_N)`` the int32 Q̂·K̂ᵀ (exact in fp32: |Q̂·K̂ᵀ| < 2²⁴); ``scale7`` δQ δK · log2(e)/√d per lane
+    (:func:`_lane_scale_shape`), one multiply-add an element with ΔS. Returns ``p_hat`` (FP8, the A operand of
+    P̃·V), the rescale ``alpha (64,)`` of what came before, and the new running max and sum.
     """
     LOG2_PMAX: gl.constexpr = 8.807354922057604  # log2(448)
-    s = (s_f * ks_smem.load(col_s)[None, :]) * qs[:, None]
+    s_mma: gl.constexpr = s_int.type.layout
+    s7 = gl.reshape(s_int.to(gl.float32), _lane_scale_shape(BLOCK_N)) * scale7
+    s = gl.convert_layout(gl.reshape(s7, [s_int.shape[0], BLOCK_N]), s_mma)  # same registers: no data movement
     if SMOOTH_Q:  # ΔS is −inf at the pad keys: no key mask
         col_term = ds_smem.load(col_s) * qk_scale - ds_shift * qk_scale
     else:
@@ -96,9 +125,9 @@ def _publish(p_hat, p_smem):
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ks_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn,
-              QS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
-              pid_bh, b, h, bh_kv, m0, n_blocks, NQ, NK, NQB, qk_scale,
+def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn,
+              QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
+              pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, Q_BLOCK: gl.constexpr, STAGES: gl.constexpr,
               SMOOTH_Q: gl.constexpr, SMOOTH_K: gl.constexpr, SMOOTH_V: gl.constexpr, RETURN_LSE: gl.constexpr):
     """Consumer warpgroup ``WG`` (0 or 1): query rows ``m0 + 64 WG …`` over every key block (module docstring),
@@ -117,7 +146,15 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ks_s, ds_s, v_s, k_ready, v_ready
 
     r0 = m0 + WG * WG_ROWS
     rows = r0 + gl.arange(0, WG_ROWS, layout=row_s)
-    qs = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + rows, mask=rows < NQ, other=0.0) * qk_scale
+    # δQ · log2(e)/√d of each lane's rows (16w + i; 16w + 8 + i shares it), shaped (4, 1, 8, 1, 1, 1, 1) in lane7
+    lane7: gl.constexpr = gl.reshape(gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_mma),
+                                     _lane_scale_shape(BLOCK_N)).type.layout
+    ql: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5,
+                                      gl.SliceLayout(6, lane7)))))  # dims (0, 2): warp w, lane row i
+    q_rows = (r0 + 16 * gl.arange(0, 4, layout=gl.SliceLayout(1, ql))[:, None]
+              + gl.arange(0, 8, layout=gl.SliceLayout(0, ql))[None, :])
+    qs = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + q_rows, mask=q_rows < NQ, other=0.0) * qk_scale
+    qs = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qs, 1), 3), 4), 5), 6)
     ds_shift = 0.0
     if SMOOTH_Q:
         if SMOOTH_K:  # ΔS_raw = q̄·K holds the row constant q̄·K̄ too
@@ -136,13 +173,19 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ks_s, ds_s, v_s, k_ready, v_ready
     s_int = hopper.warpgroup_mma_wait(0, deps=[s_tok])
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
-    p_hat, alpha, m_i, l_i = _softmax_block(s_int.to(gl.float32), ks_s.index(0), ds_s.index(0), qs, ds_shift,
-                                            qk_scale, 0, NK, m_i, l_i, BLOCK_N, SMOOTH_Q, col_s, p_op)
+    scale = qs * _lane_k_scale(KS_ptr, k_row0, lane7, BLOCK_N)
+    p_hat, alpha, m_i, l_i = _softmax_block(s_int, scale, ds_s.index(0), ds_shift, qk_scale, 0, NK, m_i, l_i,
+                                            BLOCK_N, SMOOTH_Q, col_s, row_s, p_op)
     _publish(p_hat, p_s.index(2 * WG))
     acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_mma)
+    ks_next = _lane_k_scale(KS_ptr, k_row0 + BLOCK_N, lane7, BLOCK_N, 1 < n_blocks)
+    ks_after = _lane_k_scale(KS_ptr, k_row0 + 2 * BLOCK_N, lane7, BLOCK_N, 2 < n_blocks)
     for j in range(n_blocks - 1):  # section j + 1: Q·K_{j+1} and P̃_j·V_j; softmax j + 1 under P̃_j·V_j
         buf = j % STAGES
         nbuf = (j + 1) % STAGES
+        ks_cur = ks_next
+        ks_next = ks_after
+        ks_after = _lane_k_scale(KS_ptr, k_row0 + (j + 3) * BLOCK_N, lane7, BLOCK_N, j + 3 < n_blocks)
         mbarrier.wait(k_ready.index(nbuf), ((j + 1) // STAGES) & 1)
         mbarrier.wait(v_ready.index(buf), (j // STAGES) & 1)
         mbarrier.wait(turn.index(WG), ((j + 1) & 1) ^ OTHER)
@@ -151,9 +194,8 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ks_s, ds_s, v_s, k_ready, v_ready
                                      is_async=True)
         mbarrier.arrive(turn.index(OTHER))
         s_int = hopper.warpgroup_mma_wait(1, deps=[s_tok])
-        p_hat, alpha_next, m_i, l_i = _softmax_block(s_int.to(gl.float32), ks_s.index(nbuf), ds_s.index(nbuf),
-                                                     qs, ds_shift, qk_scale, j + 1, NK, m_i, l_i, BLOCK_N,
-                                                     SMOOTH_Q, col_s, p_op)
+        p_hat, alpha_next, m_i, l_i = _softmax_block(s_int, qs * ks_cur, ds_s.index(nbuf), ds_shift, qk_scale,
+                                                     j + 1, NK, m_i, l_i, BLOCK_N, SMOOTH_Q, col_s, row_s, p_op)
         _publish(p_hat, p_s.index(2 * WG + (j + 1) % 2))  # the other buffer: P̃_j·V_j still reads this one
         r = hopper.warpgroup_mma_wait(0, deps=[r_tok])
         mbarrier.arrive(kv_empty.index(buf))  # K_j and V_j are done with: one arrival releases both
@@ -189,7 +231,7 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ks_s, ds_s, v_s, k_ready, v_ready
 
 @gluon.jit
 def _sage2_fwd_gluon(
-    Q_ptr, k_desc, vt_desc, ks_desc, ds_desc, QS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr,
+    Q_ptr, k_desc, vt_desc, ds_desc, QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr,
     stride_ob, stride_oh, stride_om,
     NQ, NK, NK_PAD, H, GROUP, NQB, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, Q_BLOCK: gl.constexpr,
@@ -221,8 +263,7 @@ def _sage2_fwd_gluon(
     # per stage a "ready" mbarrier for K and one for Vᵀ (TMA bytes landed), and an "empty" one (both consumers are
     # done with the block: K is held one iteration past its use, so that one arrival releases K and V)
     k_s = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    ks_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ks_desc.layout)
-    ds_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ks_desc.layout)
+    ds_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ds_desc.layout)
     v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], vt_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -240,15 +281,15 @@ def _sage2_fwd_gluon(
 
     n_blocks = NK_PAD // BLOCK_N
     gl.warp_specialize([
-        (_consumer, (0, q_s, p_s, k_s, ks_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn,
-                     QS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
-                     pid_bh, b, h, bh_kv, m0, n_blocks, NQ, NK, NQB, qk_scale,
+        (_consumer, (0, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn,
+                     QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
+                     pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
                      BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE)),
-        (_consumer, (1, q_s, p_s, k_s, ks_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn,
-                     QS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
-                     pid_bh, b, h, bh_kv, m0, n_blocks, NQ, NK, NQB, qk_scale,
+        (_consumer, (1, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn,
+                     QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
+                     pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
                      BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE)),
-        (_kv_producer, (k_desc, ks_desc, ds_desc, vt_desc, k_s, ks_s, ds_s, v_s, k_ready, v_ready, kv_empty,
+        (_kv_producer, (k_desc, ds_desc, vt_desc, k_s, ds_s, v_s, k_ready, v_ready, kv_empty,
                         k_row0, ds_row0, v_row0, n_blocks, BLOCK_N, HEAD_DIM, STAGES, SMOOTH_Q)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
@@ -289,7 +330,9 @@ def attn_sage2_gluon(
     stages: int = 4,
     v_keys_permuted: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Non-causal sage2 attention over :func:`~quantpatch.kernels.qk_quant_triton.quantize_qkv` operands.
+    """Non-causal sage2 attention over :func:`~quantpatch.kernels.qk_quant_triton.quantize_qkv` operands quantized
+    with per-thread groups (``qk_granularity="thread"``, ``block_q / warps`` a multiple of 16, ``block_k`` of 64:
+    :data:`K_SPAN`; ``fast_paths.gluon_takes`` checks it), which the kernel reads as one δQ·δK a lane.
 
     ``v_keys_permuted``: ``x.v_hat_t`` with its keys in :func:`wgmma_key_order` if the caller has it
     (``quantize_qkv(..., v_key_order=True)``); else :func:`permute_v_keys` makes it here (an extra pass).
@@ -314,10 +357,9 @@ def attn_sage2_gluon(
     vec_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     k_desc = TensorDescriptor.from_tensor(x.k_hat.view(b * hkv * nk_pad, d), [block_n, d], k_layout)
     vt_desc = TensorDescriptor.from_tensor(v_t.view(b * hkv * d, nk_pad), [d, block_n], v_layout)
-    ks_desc = TensorDescriptor.from_tensor(x.k_scale.view(-1), [block_n], vec_layout)
-    ds_desc = TensorDescriptor.from_tensor(x.delta_s.view(-1), [block_n], vec_layout) if smooth_q else ks_desc
+    ds_desc = TensorDescriptor.from_tensor((x.delta_s if smooth_q else x.k_scale).view(-1), [block_n], vec_layout)
     _sage2_fwd_gluon[(triton.cdiv(nq, BLOCK_M), b * h)](
-        x.q_hat, k_desc, vt_desc, ks_desc, ds_desc, x.q_scale, x.q_mean, x.k_mean, x.v_scale, x.v_mean, o, lse,
+        x.q_hat, k_desc, vt_desc, ds_desc, x.q_scale, x.k_scale, x.q_mean, x.k_mean, x.v_scale, x.v_mean, o, lse,
         o.stride(0), o.stride(1), o.stride(2),
         nq, nk, nk_pad, h, h // hkv, x.delta_s.shape[2] if smooth_q else 1, scale * LOG2E,
         HEAD_DIM=d, BLOCK_N=block_n, Q_BLOCK=block_q,

@@ -126,9 +126,14 @@ def call_unsupported(call: AttentionCall) -> str | None:
 
 def gluon_takes(cfg: AttentionConfig, head_dim: int, nk: int, is_causal: bool) -> bool:
     """Whether :func:`~quantpatch.kernels.attn_gluon.attn_sage2_gluon` computes this call (on sm_90): sage2's
-    INT8-tensor-core Q·Kᵀ, FP8 P̃·V accumulated per block, per-channel V; non-causal, head_dim 128, query blocks
-    of a multiple of 128 rows, at least ``GLUON_MIN_KEYS`` keys."""
-    return (cfg.numerics == "sage2" and cfg.qk_format in ("int8", "int4") and cfg.pv_format in FP8_OPERANDS
+    INT8-tensor-core Q·Kᵀ with per-thread groups the kernel reads as one δQ·δK a lane (``block_q / warps`` a
+    multiple of 16, ``block_k`` of 64), FP8 P̃·V accumulated per block, per-channel V; non-causal, head_dim 128,
+    query blocks of a multiple of 128 rows, at least ``GLUON_MIN_KEYS`` keys; False where the Gluon module does
+    not import."""
+    lane_groups = (_attn_gluon is not None and cfg.qk_granularity == "thread"
+                   and (cfg.block_q // cfg.warps) % 16 == 0 and cfg.block_k % _attn_gluon.K_SPAN.value == 0)
+    return (lane_groups and cfg.numerics == "sage2" and cfg.qk_format in ("int8", "int4")
+            and cfg.pv_format in FP8_OPERANDS
             and cfg.two_level_accum and not cfg.l_from_quantized_p and not cfg.p_from_block_max
             and cfg.exp == "exact" and cfg.v_granularity == "channel" and cfg.block_q % 128 == 0
             and not is_causal and head_dim == 128 and nk >= GLUON_MIN_KEYS)

@@ -1,7 +1,8 @@
 """The Gluon sage2 kernel (:mod:`quantpatch.kernels.attn_gluon`) against the Triton kernel over the same operands.
 
-Both compute the same numerics in the same key-block order (block_n 128), so the outputs differ only where an FMA
-contraction flips an FP8 rounding of P̃ at a tie: rel-L1 ≤ OUT_TOL (the Triton suite's bound for bf16 outputs) and
+Both compute the same numerics in the same key-block order (block_n 128); S differs by fp32 rounding only (the
+Gluon kernel multiplies by δQ·δK, the Triton kernel by δK then δQ; FMA contractions), which flips an FP8 rounding of P̃
+now and then: rel-L1 ≤ OUT_TOL (the Triton suite's bound for bf16 outputs; ~1e-5 measured at 4k–32k keys) and
 LSE to LSE_ATOL. GPU only (Gluon has no interpreter), sm_90; the key permutation and launch checks run everywhere.
 """
 
@@ -79,6 +80,18 @@ def test_gluon_takes_sage2_non_causal_head_dim_128_long_calls_only(mode, head_di
 
     assert gluon_takes(qp.get_mode(mode).attention, head_dim, nk, is_causal) is takes
     assert not uses_gluon(qp.get_mode(mode).attention, torch.device("cpu"), head_dim, nk, is_causal)  # sm_90 only
+
+
+@pytest.mark.parametrize("override", [dict(qk_granularity="token"), dict(qk_granularity="block"),
+                                      dict(block_k=32), dict(warps=16)])
+def test_gluon_takes_only_per_thread_groups_it_reads_as_one_scale_a_lane(override):
+    """The kernel reads δQ·δK as one value a lane and 64-key span: other groupings go to the Triton kernel."""
+    import quantpatch as qp
+    from quantpatch.kernels.fast_paths import gluon_takes
+
+    cfg = qp.get_mode("sage2-8b").attention
+    assert gluon_takes(cfg, 128, 4096, False)
+    assert not gluon_takes(cfg.replace(**override), 128, 4096, False)
 
 
 @pytest.mark.gpu
