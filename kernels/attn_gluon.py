@@ -1,9 +1,9 @@
 """sage2 prefill attention in Gluon (Triton 3.6+, sm_90): FA3's schedule over the Triton kernel's numerics.
 
 Same operands and numerics as ``attn_qk_int8_pv_fp8_triton._attn_fwd_kernel`` for ``sage2`` (INT8 Q·Kᵀ with
-SageAttention2's per-thread Q and K scales, ΔS, P̃ → e4m3 at the static 448 scale, FP8 P̃·V accumulated per key block then
-added to the FP32 accumulator, per-channel V scale, optional V mean), non-causal, any Nq / Nk (tails masked),
-GQA, optional LSE.
+SageAttention2's per-thread Q and K scales, ΔS, P̃ → e4m3 at the static 448 scale, FP8 P̃·V accumulated per key
+block then added to the FP32 accumulator, per-channel V scale, optional V mean), causal (bottom-right aligned) or
+not, any Nq / Nk (tails masked), GQA, optional LSE.
 
 A program takes 128 query rows: two consumer warpgroups of 64 rows share one producer warp, which brings K
 (with ΔS) and Vᵀ blocks by TMA into ``STAGES``-deep rings. Per-thread groups make δQ·δK one value a lane and
@@ -85,13 +85,14 @@ def _lane_k_scale(KS_ptr, key0, lane7: gl.constexpr, BLOCK_N: gl.constexpr, vali
 
 
 @gluon.jit
-def _softmax_block(s_int, scale7, ds_smem, ds_shift, qk_scale, j, NK, m_i, l_i,
-                   BLOCK_N: gl.constexpr, SMOOTH_Q: gl.constexpr, col_s: gl.constexpr, row_s: gl.constexpr,
-                   p_op: gl.constexpr):
+def _softmax_block(s_int, scale7, ds_smem, ds_shift, qk_scale, j, NK, m_i, l_i, last_key,
+                   BLOCK_N: gl.constexpr, SMOOTH_Q: gl.constexpr, MASKED: gl.constexpr, col_s: gl.constexpr,
+                   row_s: gl.constexpr, p_op: gl.constexpr):
     """Online softmax of key block ``j``: S = (Q̂·K̂ᵀ) δQ δK (+ ΔS) in log2 units → P̃ as e4m3 at 448.
 
     ``s_int (64, BLOCK_N)`` the int32 Q̂·K̂ᵀ (exact in fp32: |Q̂·K̂ᵀ| < 2²⁴); ``scale7`` δQ δK · log2(e)/√d per lane
-    (:func:`_lane_scale_shape`), one multiply-add an element with ΔS. Returns ``p_hat`` (FP8, the A operand of
+    (:func:`_lane_scale_shape`), one multiply-add an element with ΔS; ``MASKED``: keys past ``last_key (64,)`` of
+    each row are −inf (causal). Returns ``p_hat`` (FP8, the A operand of
     P̃·V), the rescale ``alpha (64,)`` of what came before, and the new running max and sum.
     """
     LOG2_PMAX: gl.constexpr = 8.807354922057604  # log2(448)
@@ -103,6 +104,9 @@ def _softmax_block(s_int, scale7, ds_smem, ds_shift, qk_scale, j, NK, m_i, l_i,
     else:
         col_term = gl.where(j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s) < NK, 0.0, float("-inf"))
     s = s + col_term[None, :]
+    if MASKED:
+        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
+        s = gl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
@@ -125,13 +129,44 @@ def _publish(p_hat, p_smem):
 
 
 @gluon.jit
+def _section(j, WG: gl.constexpr, q_wg, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn, KS_ptr, k_row0,
+             n_blocks, qs, ks_next, ks_after, ds_shift, qk_scale, NK, m_i, l_i, alpha, acc, last_key, zero_s, zero_o,
+             lane7: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SMOOTH_Q: gl.constexpr,
+             MASKED: gl.constexpr, col_s: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr, p_op: gl.constexpr):
+    """Section j + 1 of a consumer: Q·K_{j+1} and P̃_j·V_j on its turn, softmax j + 1 under P̃_j·V_j, then
+    ``acc = α_j acc + P̃_j·V_j``; returns the carried state."""
+    OTHER: gl.constexpr = 1 - WG
+    buf = j % STAGES
+    nbuf = (j + 1) % STAGES
+    ks_cur = ks_next
+    ks_next = ks_after
+    ks_after = _lane_k_scale(KS_ptr, k_row0 + (j + 3) * BLOCK_N, lane7, BLOCK_N, j + 3 < n_blocks)
+    mbarrier.wait(k_ready.index(nbuf), ((j + 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(buf), (j // STAGES) & 1)
+    mbarrier.wait(turn.index(WG), ((j + 1) & 1) ^ OTHER)
+    s_tok = hopper.warpgroup_mma(q_wg, k_s.index(nbuf).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    r_tok = hopper.warpgroup_mma(p_s.index(2 * WG + j % 2), v_s.index(buf).permute((1, 0)), zero_o, use_acc=False,
+                                 is_async=True)
+    mbarrier.arrive(turn.index(OTHER))
+    s_int = hopper.warpgroup_mma_wait(1, deps=[s_tok])
+    p_hat, alpha_next, m_i, l_i = _softmax_block(s_int, qs * ks_cur, ds_s.index(nbuf), ds_shift, qk_scale, j + 1, NK,
+                                                 m_i, l_i, last_key, BLOCK_N, SMOOTH_Q, MASKED, col_s, row_s, p_op)
+    _publish(p_hat, p_s.index(2 * WG + (j + 1) % 2))  # the other buffer: P̃_j·V_j still reads this one
+    r = hopper.warpgroup_mma_wait(0, deps=[r_tok])
+    mbarrier.arrive(kv_empty.index(buf))  # K_j and V_j are done with: one arrival releases both
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + r  # two-level: one block's P̃·V, then into acc
+    return m_i, l_i, alpha_next, acc, ks_next, ks_after
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn,
               QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
-              pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
+              pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, n_full, NQ, NK, NQB, qk_scale,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, Q_BLOCK: gl.constexpr, STAGES: gl.constexpr,
-              SMOOTH_Q: gl.constexpr, SMOOTH_K: gl.constexpr, SMOOTH_V: gl.constexpr, RETURN_LSE: gl.constexpr):
-    """Consumer warpgroup ``WG`` (0 or 1): query rows ``m0 + 64 WG …`` over every key block (module docstring),
-    then its rows of O (and LSE)."""
+              SMOOTH_Q: gl.constexpr, SMOOTH_K: gl.constexpr, SMOOTH_V: gl.constexpr, RETURN_LSE: gl.constexpr,
+              CAUSAL: gl.constexpr):
+    """Consumer warpgroup ``WG`` (0 or 1): query rows ``m0 + 64 WG …`` over key blocks 0 … n_blocks - 1 (module
+    docstring), masking those from ``n_full`` on (causal), then its rows of O (and LSE)."""
     LOG2_PMAX: gl.constexpr = 8.807354922057604  # log2(448)
     s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_N, 32])
@@ -146,6 +181,7 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_e
 
     r0 = m0 + WG * WG_ROWS
     rows = r0 + gl.arange(0, WG_ROWS, layout=row_s)
+    last_key = rows + (NK - NQ)  # causal, bottom-right aligned: row r attends keys ≤ r + Nk - Nq
     # δQ · log2(e)/√d of each lane's rows (16w + i; 16w + 8 + i shares it), shaped (4, 1, 8, 1, 1, 1, 1) in lane7
     lane7: gl.constexpr = gl.reshape(gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_mma),
                                      _lane_scale_shape(BLOCK_N)).type.layout
@@ -175,32 +211,23 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_e
     l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
     scale = qs * _lane_k_scale(KS_ptr, k_row0, lane7, BLOCK_N)
     p_hat, alpha, m_i, l_i = _softmax_block(s_int, scale, ds_s.index(0), ds_shift, qk_scale, 0, NK, m_i, l_i,
-                                            BLOCK_N, SMOOTH_Q, col_s, row_s, p_op)
+                                            last_key, BLOCK_N, SMOOTH_Q, CAUSAL, col_s, row_s, p_op)
     _publish(p_hat, p_s.index(2 * WG))
     acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_mma)
     ks_next = _lane_k_scale(KS_ptr, k_row0 + BLOCK_N, lane7, BLOCK_N, 1 < n_blocks)
     ks_after = _lane_k_scale(KS_ptr, k_row0 + 2 * BLOCK_N, lane7, BLOCK_N, 2 < n_blocks)
-    for j in range(n_blocks - 1):  # section j + 1: Q·K_{j+1} and P̃_j·V_j; softmax j + 1 under P̃_j·V_j
-        buf = j % STAGES
-        nbuf = (j + 1) % STAGES
-        ks_cur = ks_next
-        ks_next = ks_after
-        ks_after = _lane_k_scale(KS_ptr, k_row0 + (j + 3) * BLOCK_N, lane7, BLOCK_N, j + 3 < n_blocks)
-        mbarrier.wait(k_ready.index(nbuf), ((j + 1) // STAGES) & 1)
-        mbarrier.wait(v_ready.index(buf), (j // STAGES) & 1)
-        mbarrier.wait(turn.index(WG), ((j + 1) & 1) ^ OTHER)
-        s_tok = hopper.warpgroup_mma(q_wg, k_s.index(nbuf).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        r_tok = hopper.warpgroup_mma(p_s.index(2 * WG + j % 2), v_s.index(buf).permute((1, 0)), zero_o, use_acc=False,
-                                     is_async=True)
-        mbarrier.arrive(turn.index(OTHER))
-        s_int = hopper.warpgroup_mma_wait(1, deps=[s_tok])
-        p_hat, alpha_next, m_i, l_i = _softmax_block(s_int, qs * ks_cur, ds_s.index(nbuf), ds_shift, qk_scale,
-                                                     j + 1, NK, m_i, l_i, BLOCK_N, SMOOTH_Q, col_s, row_s, p_op)
-        _publish(p_hat, p_s.index(2 * WG + (j + 1) % 2))  # the other buffer: P̃_j·V_j still reads this one
-        r = hopper.warpgroup_mma_wait(0, deps=[r_tok])
-        mbarrier.arrive(kv_empty.index(buf))  # K_j and V_j are done with: one arrival releases both
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None] + r  # two-level: one block's P̃·V, then into acc
-        alpha = alpha_next
+    # sections 1 … n_full - 1 see only keys every row may attend; the rest (causal: the diagonal) are masked
+    for j in range(n_full - 1):
+        m_i, l_i, alpha, acc, ks_next, ks_after = _section(
+            j, WG, q_wg, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn, KS_ptr, k_row0, n_blocks, qs,
+            ks_next, ks_after, ds_shift, qk_scale, NK, m_i, l_i, alpha, acc, last_key, zero_s, zero_o, lane7,
+            BLOCK_N, STAGES, SMOOTH_Q, False, col_s, row_s, row_o, p_op)
+    if CAUSAL:
+        for j in range(gl.maximum(n_full - 1, 0), n_blocks - 1):
+            m_i, l_i, alpha, acc, ks_next, ks_after = _section(
+                j, WG, q_wg, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn, KS_ptr, k_row0, n_blocks, qs,
+                ks_next, ks_after, ds_shift, qk_scale, NK, m_i, l_i, alpha, acc, last_key, zero_s, zero_o, lane7,
+                BLOCK_N, STAGES, SMOOTH_Q, True, col_s, row_s, row_o, p_op)
     # section n_blocks: P̃·V of the last block
     last = (n_blocks - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
@@ -236,13 +263,15 @@ def _sage2_fwd_gluon(
     NQ, NK, NK_PAD, H, GROUP, NQB, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, Q_BLOCK: gl.constexpr,
     SMOOTH_Q: gl.constexpr, SMOOTH_K: gl.constexpr, SMOOTH_V: gl.constexpr, RETURN_LSE: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr,
 ):
-    """Program ``(q block of 128 rows, b·H + h)``; launched with 4 warps (consumer 0), consumer 1 (4 warps) and
-    the producer (1 warp) are the worker partitions."""
+    """Program ``(q block of 128 rows, b·H + h)`` (causal: the last q block first, it has the most keys); launched
+    with 4 warps (consumer 0), consumer 1 (4 warps) and the producer (1 warp) are the worker partitions."""
     ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                         order=[1, 0])
     pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m
     pid_bh = gl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
@@ -280,15 +309,19 @@ def _sage2_fwd_gluon(
     hopper.fence_async_shared()  # Q tile and barrier inits before the async proxy reads them
 
     n_blocks = NK_PAD // BLOCK_N
+    n_full = n_blocks  # blocks 0 … n_full - 1 hold no key a row of the program must not see
+    if CAUSAL:  # the program's last row attends keys ≤ m0 + 127 + Nk - Nq, its first ≤ m0 + Nk - Nq
+        n_blocks = gl.minimum(gl.maximum(gl.cdiv(m0 + 2 * WG_ROWS + NK - NQ, BLOCK_N), 1), n_blocks)
+        n_full = gl.minimum(gl.maximum(m0 + 1 + NK - NQ, 0) // BLOCK_N, n_blocks)
     gl.warp_specialize([
         (_consumer, (0, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn,
                      QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
-                     pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
-                     BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE)),
+                     pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, n_full, NQ, NK, NQB, qk_scale,
+                     BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE, CAUSAL)),
         (_consumer, (1, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn,
                      QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
-                     pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
-                     BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE)),
+                     pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, n_full, NQ, NK, NQB, qk_scale,
+                     BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE, CAUSAL)),
         (_kv_producer, (k_desc, ds_desc, vt_desc, k_s, ds_s, v_s, k_ready, v_ready, kv_empty,
                         k_row0, ds_row0, v_row0, n_blocks, BLOCK_N, HEAD_DIM, STAGES, SMOOTH_Q)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -322,6 +355,7 @@ def attn_sage2_gluon(
     x: QuantizedQKV,
     nk: int,
     *,
+    is_causal: bool = False,
     sm_scale: float | None = None,
     return_lse: bool = False,
     out_dtype: torch.dtype = torch.bfloat16,
@@ -330,9 +364,10 @@ def attn_sage2_gluon(
     stages: int = 4,
     v_keys_permuted: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Non-causal sage2 attention over :func:`~quantpatch.kernels.qk_quant_triton.quantize_qkv` operands quantized
-    with per-thread groups (``qk_granularity="thread"``, ``block_q / warps`` a multiple of 16, ``block_k`` of 64:
-    :data:`K_SPAN`; ``fast_paths.gluon_takes`` checks it), which the kernel reads as one δQ·δK a lane.
+    """sage2 attention (causal: bottom-right aligned, as the reference) over
+    :func:`~quantpatch.kernels.qk_quant_triton.quantize_qkv` operands quantized with per-thread groups
+    (``qk_granularity="thread"``, ``block_q / warps`` a multiple of 16, ``block_k`` of 64: :data:`K_SPAN`;
+    ``fast_paths.gluon_takes`` checks it), which the kernel reads as one δQ·δK a lane.
 
     ``v_keys_permuted``: ``x.v_hat_t`` with its keys in :func:`wgmma_key_order` if the caller has it
     (``quantize_qkv(..., v_key_order=True)``); else :func:`permute_v_keys` makes it here (an extra pass).
@@ -364,6 +399,6 @@ def attn_sage2_gluon(
         nq, nk, nk_pad, h, h // hkv, x.delta_s.shape[2] if smooth_q else 1, scale * LOG2E,
         HEAD_DIM=d, BLOCK_N=block_n, Q_BLOCK=block_q,
         SMOOTH_Q=smooth_q, SMOOTH_K=x.k_mean.numel() > 0, SMOOTH_V=x.v_mean.numel() > 0, RETURN_LSE=return_lse,
-        STAGES=stages, num_warps=4,
+        STAGES=stages, CAUSAL=is_causal, num_warps=4,
     )
     return o, lse

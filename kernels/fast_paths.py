@@ -40,9 +40,10 @@ from .quant_attention_ref import smooth_k_lse_shift
 HEAD_DIMS = (64, 128)
 KEY_BLOCK = 128  # the attention kernel's key block; K/V are padded to a multiple of it
 FP8_OPERANDS = ("fp8_e4m3",)
-# the Gluon sage2 kernel from this many keys on; below, the Triton kernel is as fast or faster (H200,
-# eval/results/bench_attention/NOTES.md, "Gluon ping-pong kernel")
+# the Gluon sage2 kernel from this many keys on (causal: GLUON_MIN_KEYS_CAUSAL); below, the Triton kernel is as fast
+# or faster (H200, eval/results/bench_attention/NOTES.md, "Gluon ping-pong kernel" and "session 14")
 GLUON_MIN_KEYS = 4096
+GLUON_MIN_KEYS_CAUSAL = 16384
 
 
 # --------------------------------------------------------------------------- config mapping
@@ -127,16 +128,16 @@ def call_unsupported(call: AttentionCall) -> str | None:
 def gluon_takes(cfg: AttentionConfig, head_dim: int, nk: int, is_causal: bool) -> bool:
     """Whether :func:`~quantpatch.kernels.attn_gluon.attn_sage2_gluon` computes this call (on sm_90): sage2's
     INT8-tensor-core Q·Kᵀ with per-thread groups the kernel reads as one δQ·δK a lane (``block_q / warps`` a
-    multiple of 16, ``block_k`` of 64), FP8 P̃·V accumulated per block, per-channel V; non-causal, head_dim 128,
-    query blocks of a multiple of 128 rows, at least ``GLUON_MIN_KEYS`` keys; False where the Gluon module does
-    not import."""
+    multiple of 16, ``block_k`` of 64), FP8 P̃·V accumulated per block, per-channel V; head_dim 128, query blocks
+    of a multiple of 128 rows, at least ``GLUON_MIN_KEYS`` keys (causal: ``GLUON_MIN_KEYS_CAUSAL``); False where
+    the Gluon module does not import."""
     lane_groups = (_attn_gluon is not None and cfg.qk_granularity == "thread"
                    and (cfg.block_q // cfg.warps) % 16 == 0 and cfg.block_k % _attn_gluon.K_SPAN.value == 0)
     return (lane_groups and cfg.numerics == "sage2" and cfg.qk_format in ("int8", "int4")
             and cfg.pv_format in FP8_OPERANDS
             and cfg.two_level_accum and not cfg.l_from_quantized_p and not cfg.p_from_block_max
             and cfg.exp == "exact" and cfg.v_granularity == "channel" and cfg.block_q % 128 == 0
-            and not is_causal and head_dim == 128 and nk >= GLUON_MIN_KEYS)
+            and head_dim == 128 and nk >= (GLUON_MIN_KEYS_CAUSAL if is_causal else GLUON_MIN_KEYS))
 
 
 def uses_gluon(cfg: AttentionConfig, device: torch.device, head_dim: int, nk: int, is_causal: bool) -> bool:
@@ -205,8 +206,8 @@ def _attend(
     x = QuantizedQKV(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean)
     if gluon:
         try:
-            return _attn_gluon.attn_sage2_gluon(x, nk, sm_scale=sm_scale, return_lse=return_lse, out_dtype=out_dtype,
-                                                block_q=block_q, v_keys_permuted=v_hat_t)
+            return _attn_gluon.attn_sage2_gluon(x, nk, is_causal=is_causal, sm_scale=sm_scale, return_lse=return_lse,
+                                                out_dtype=out_dtype, block_q=block_q, v_keys_permuted=v_hat_t)
         except triton.CompilationError as err:  # a Triton whose Gluon API differs: warn once, Triton serves
             ATTENTION_GLUON.close(q_hat.device, err)
             x = x._replace(v_hat_t=_attn_gluon.permute_v_keys(v_hat_t, inverse=True))
@@ -287,7 +288,7 @@ try:
     _GLUON_IMPORT_ERROR = None
 except ImportError as _err:
     _attn_gluon, _GLUON_IMPORT_ERROR = None, str(_err)
-ATTENTION_GLUON = GluonGate("sage2 attention (non-causal, head_dim 128)", "the Triton attention kernel",
+ATTENTION_GLUON = GluonGate("sage2 attention (head_dim 128)", "the Triton attention kernel",
                             _GLUON_IMPORT_ERROR)
 
 __all__ = ["IMPLEMENTATION", "call_unsupported", "config_unsupported", "quantized_attention"]

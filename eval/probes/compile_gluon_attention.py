@@ -1,7 +1,7 @@
 """Compile ``kernels/attn_gluon.py`` for sm_90 without a GPU (Triton 3.6 in a CPU venv) and print its wgmma /
 wait sequence, registers, spills, shared memory, barrier count and ptxas advisories:
-``python eval/probes/compile_gluon_attention.py [BLOCK_N] [STAGES] [DUMP]`` (defaults 128 4; DUMP: also write
-DUMP.ptx and DUMP.sass)."""
+``python eval/probes/compile_gluon_attention.py [BLOCK_N] [STAGES] [DUMP] [--causal]`` (defaults 128 4; DUMP: also
+write DUMP.ptx and DUMP.sass)."""
 
 import sys
 
@@ -10,8 +10,10 @@ from sm90_binary import compile_sm90, inspect_binary, resources, wgmma_sequence
 
 from quantpatch.kernels.attn_gluon import _sage2_fwd_gluon as kernel
 
-block_n = int(sys.argv[1]) if len(sys.argv) > 1 else 128
-stages = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+causal = "--causal" in sys.argv
+args = [a for a in sys.argv[1:] if a != "--causal"]
+block_n = int(args[0]) if len(args) > 0 else 128
+stages = int(args[1]) if len(args) > 1 else 4
 k_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 v_layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, block_n), element_bitwidth=8, rank=2)
 vec_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
@@ -22,10 +24,10 @@ types = dict(Q_ptr="*i8", QS_ptr="*fp32", KS_ptr="*fp32", QM_ptr="*fp32", KM_ptr
              vt_desc=f"tensordesc<fp8e4nv[128, {block_n}],{v_layout!r}>",
              ds_desc=f"tensordesc<fp32[{block_n}],{vec_layout!r}>")
 constexprs = dict(HEAD_DIM=128, BLOCK_N=block_n, Q_BLOCK=128, SMOOTH_Q=True, SMOOTH_K=True, SMOOTH_V=True,
-                  RETURN_LSE=True, STAGES=stages)
+                  RETURN_LSE=True, STAGES=stages, CAUSAL=causal)
 aligned = [n for n in kernel.arg_names if n.endswith("_ptr")] + ["stride_ob", "stride_oh", "stride_om", "NK_PAD"]
 compiled = compile_sm90(kernel, types, constexprs, aligned, num_warps=4)
-ptx, sass, usage, ptxas = inspect_binary(compiled, sys.argv[3] if len(sys.argv) > 3 else None)
+ptx, sass, usage, ptxas = inspect_binary(compiled, args[2] if len(args) > 2 else None)
 print("wgmma sequence:", wgmma_sequence(ptx))
 print(resources(compiled, usage), "BAR.SYNC", sass.count("BAR.SYNC"))
 print("ptxas:", "\n".join(line for line in ptxas.splitlines() if "dvisory" in line or "arning" in line) or "-")

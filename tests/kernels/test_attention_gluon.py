@@ -53,15 +53,15 @@ def _operands(nq, nk, heads, kv_heads, smooth_q=True, seed=0):
 @hopper
 @pytest.mark.parametrize("nq, nk", [(1, 1), (113, 239), (1000, 1000), (239, 4096), (4096, 4096)])
 @pytest.mark.parametrize("smooth_q", [True, False])
-@pytest.mark.parametrize("stages", [2, 3, 4])
-def test_gpu_gluon_matches_the_triton_kernel(nq, nk, smooth_q, stages):
+@pytest.mark.parametrize("stages, causal", [(2, False), (3, False), (4, False), (2, True), (4, True)])
+def test_gpu_gluon_matches_the_triton_kernel(nq, nk, smooth_q, stages, causal):
     from quantpatch.kernels.attn_gluon import attn_sage2_gluon
     from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
 
     x, cfg = _operands(nq, nk, heads=4, kv_heads=2, smooth_q=smooth_q, seed=nq + nk)
-    ref, ref_lse = attn_qk_int8_pv_fp8(x, nk, return_lse=True, block_q=cfg.block_q, block_m=64, block_n=128,
-                                       num_warps=4, num_stages=2)
-    out, lse = attn_sage2_gluon(x, nk, return_lse=True, block_q=cfg.block_q, stages=stages)
+    ref, ref_lse = attn_qk_int8_pv_fp8(x, nk, is_causal=causal, return_lse=True, block_q=cfg.block_q, block_m=64,
+                                       block_n=128, num_warps=4, num_stages=2)
+    out, lse = attn_sage2_gluon(x, nk, is_causal=causal, return_lse=True, block_q=cfg.block_q, stages=stages)
     assert torch.isfinite(out).all()
     assert rel_l1(out.float(), ref.float()) <= OUT_TOL
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=LSE_ATOL)
@@ -71,10 +71,11 @@ def test_gpu_gluon_matches_the_triton_kernel(nq, nk, smooth_q, stages):
     "mode, head_dim, nk, is_causal, takes",
     [("sage2-8b", 128, 4096, False, True), ("sage2-4b", 128, 8192, False, True),
      ("sage2-8b", 128, 4095, False, False), ("sage2-8b", 128, 4096, True, False),
+     ("sage2-8b", 128, 16384, True, True),
      ("sage2-8b", 64, 4096, False, False), ("int8-flash", 128, 4096, False, False),
      ("fireq", 128, 4096, False, False)],
 )
-def test_gluon_takes_sage2_non_causal_head_dim_128_long_calls_only(mode, head_dim, nk, is_causal, takes):
+def test_gluon_takes_sage2_head_dim_128_long_calls_only(mode, head_dim, nk, is_causal, takes):
     import quantpatch as qp
     from quantpatch.kernels.fast_paths import gluon_takes, uses_gluon
 
@@ -97,22 +98,24 @@ def test_gluon_takes_only_per_thread_groups_it_reads_as_one_scale_a_lane(overrid
 @pytest.mark.gpu
 @needs_cuda
 @hopper
-def test_gpu_public_api_takes_the_gluon_kernel_on_long_non_causal_calls():
-    """``quantpatch.attention`` at 4096 keys returns the Gluon kernel's output bit for bit (same operands), and it
-    is within the Triton kernel's bound of the Triton kernel's."""
+@pytest.mark.parametrize("causal, nk", [(False, 4096), (True, 16384)])
+def test_gpu_public_api_takes_the_gluon_kernel_on_long_calls(causal, nk):
+    """``quantpatch.attention`` from the route's key count on returns the Gluon kernel's output bit for bit (same
+    operands), and it is within the Triton kernel's bound of the Triton kernel's."""
     import quantpatch as qp
     from quantpatch.kernels import fast_paths
     from quantpatch.kernels.attn_gluon import attn_sage2_gluon
     from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
     from quantpatch.kernels.qk_quant_triton import QuantizedQKV
 
-    q, k, v = attention_inputs("outliers", batch=1, heads=4, kv_heads=2, seq_q=300, seq_k=4096, head_dim=128, seed=3)
+    q, k, v = attention_inputs("outliers", batch=1, heads=4, kv_heads=2, seq_q=300, seq_k=nk, head_dim=128, seed=3)
     q, k, v = (t.to("cuda", torch.bfloat16) for t in (q, k, v))
     cfg = qp.get_mode("sage2-8b").attention
     x = QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **fast_paths.quant_options(cfg)))
-    o = qp.attention(q, k, v, mode="sage2-8b", strict=True)
-    gluon, _ = attn_sage2_gluon(x, 4096, block_q=cfg.block_q)
-    triton_o, _ = attn_qk_int8_pv_fp8(x, 4096, block_q=cfg.block_q, **fast_paths.kernel_blocks(cfg, 128))
+    o = qp.attention(q, k, v, mode="sage2-8b", is_causal=causal, strict=True)
+    gluon, _ = attn_sage2_gluon(x, nk, is_causal=causal, block_q=cfg.block_q)
+    triton_o, _ = attn_qk_int8_pv_fp8(x, nk, is_causal=causal, block_q=cfg.block_q,
+                                      **fast_paths.kernel_blocks(cfg, 128))
     assert torch.equal(o, gluon)
     assert rel_l1(o.float(), triton_o.float()) <= OUT_TOL
 
