@@ -1,6 +1,6 @@
 """Kernel-only timings of the Gluon sage2 attention (``kernels/attn_gluon.py``) next to the Triton kernel and SDPA
-flash / cuDNN in the same run (B=4, H=32, D=128, non-causal, bf16 inputs), with the Gluon output checked against
-the Triton kernel's: ``python eval/probes/sweep_gluon_attention.py --out DIR [--seq-lens 2048 8192] [--stages 2 3]``.
+flash / cuDNN in the same run (B=4, H=32, D=128, bf16 inputs), with the Gluon output checked against the Triton
+kernel's: ``python eval/probes/sweep_gluon_attention.py --out DIR [--seq-lens 2048 8192] [--stages 2 3] [--causal]``.
 Writes ``sweep.json`` under DIR and prints one line per row."""
 
 import argparse
@@ -28,6 +28,7 @@ def main():
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192, 16384])
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--rep", type=int, default=200)
+    ap.add_argument("--causal", action="store_true", help="causal (bottom-right aligned); TFLOPS halved")
     args = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -37,24 +38,26 @@ def main():
     for n in args.seq_lens:
         gen = torch.Generator(device="cuda").manual_seed(n)
         q, k, v = (torch.randn(4, 32, n, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
-        flops = 4 * 4 * 32 * n * n * 128
+        flops = 4 * 4 * 32 * n * n * 128 / (2 if args.causal else 1)
         x = QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **fast_paths.quant_options(cfg)))
         vt = permute_v_keys(x.v_hat_t)
         times = {}
         for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
             with sdpa_kernel(backend):
-                times[name] = ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), args.rep)
-        ref, _ = attn_qk_int8_pv_fp8(x, n, block_q=cfg.block_q, **kb)
-        times["triton"] = ms(lambda: attn_qk_int8_pv_fp8(x, n, block_q=cfg.block_q, **kb), args.rep)
+                sdpa = torch.nn.functional.scaled_dot_product_attention
+                times[name] = ms(lambda: sdpa(q, k, v, is_causal=args.causal), args.rep)
+        causal = dict(is_causal=args.causal, block_q=cfg.block_q)
+        ref, _ = attn_qk_int8_pv_fp8(x, n, **causal, **kb)
+        times["triton"] = ms(lambda: attn_qk_int8_pv_fp8(x, n, **causal, **kb), args.rep)
         errs = {}
         for st in args.stages:
             name = f"gluon-s{st}"
-            out, _ = attn_sage2_gluon(x, n, block_q=cfg.block_q, stages=st, v_keys_permuted=vt)
+            out, _ = attn_sage2_gluon(x, n, **causal, stages=st, v_keys_permuted=vt)
             errs[name] = rel_l1(out.float(), ref.float())
-            times[name] = ms(lambda st=st: attn_sage2_gluon(x, n, block_q=cfg.block_q, stages=st, v_keys_permuted=vt),
-                             args.rep)
+            times[name] = ms(lambda st=st: attn_sage2_gluon(x, n, **causal, stages=st, v_keys_permuted=vt), args.rep)
         for name, t in times.items():
-            row = dict(n=n, impl=name, ms=t, tflops=flops / t * 1e-9, vs_cudnn=times["sdpa-cudnn"] / t,
+            row = dict(n=n, causal=args.causal, impl=name, ms=t, tflops=flops / t * 1e-9,
+                       vs_cudnn=times["sdpa-cudnn"] / t,
                        vs_triton=times["triton"] / t, rel_l1_vs_triton=errs.get(name, ""))
             rows.append(row)
             print(f"N={n:6d} {name:12s} {t:8.3f} ms {row['tflops']:7.1f} TFLOPS  x{row['vs_cudnn']:.3f} cuDNN  "
