@@ -18,8 +18,8 @@ through them; launched on the current stream):
 Which path each mode takes: ``sage2-8b``/``sage2-4b`` (INT8 tensor cores, INT4 values for 4b),
 ``int8-flash``, ``fireq`` and ``turbo``'s prefill (SAS exponential, per-tile P scale, per-block V
 scale) run these Triton kernels on sm_89/sm_90 (sm_80 for configs without FP8 operands); on sm_90,
-sage2's non-causal head_dim-128 calls with at least ``GLUON_MIN_KEYS`` keys run the Gluon kernel
-(same numerics, FA3's warp-specialised ping-pong schedule).
+sage2's head_dim-128 calls with at least ``GLUON_MIN_KEYS`` keys (causal: ``GLUON_MIN_KEYS_CAUSAL``) run the
+Gluon kernel (same numerics, FA3's warp-specialised ping-pong schedule).
 """
 
 from __future__ import annotations
