@@ -92,20 +92,20 @@ def _softmax_block(s_int, scale7, ds_smem, ds_shift, qk_scale, j, NK, m_i, l_i, 
 
     ``s_int (64, BLOCK_N)`` the int32 Q̂·K̂ᵀ (exact in fp32: |Q̂·K̂ᵀ| < 2²⁴); ``scale7`` δQ δK · log2(e)/√d per lane
     (:func:`_lane_scale_shape`), one multiply-add an element with ΔS; ``MASKED``: keys past ``last_key (64,)`` of
-    each row are −inf (causal). Returns ``p_hat`` (FP8, the A operand of
-    P̃·V), the rescale ``alpha (64,)`` of what came before, and the new running max and sum.
+    each row are −inf (causal). Returns ``p_hat`` (FP8, the A operand of P̃·V), the rescale ``alpha (64,)`` of what
+    came before, and the new running max and sum.
     """
     LOG2_PMAX: gl.constexpr = 8.807354922057604  # log2(448)
     s_mma: gl.constexpr = s_int.type.layout
     s7 = gl.reshape(s_int.to(gl.float32), _lane_scale_shape(BLOCK_N)) * scale7
     s = gl.convert_layout(gl.reshape(s7, [s_int.shape[0], BLOCK_N]), s_mma)  # same registers: no data movement
+    keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
     if SMOOTH_Q:  # ΔS is −inf at the pad keys: no key mask
         col_term = ds_smem.load(col_s) * qk_scale - ds_shift * qk_scale
     else:
-        col_term = gl.where(j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s) < NK, 0.0, float("-inf"))
+        col_term = gl.where(keys < NK, 0.0, float("-inf"))
     s = s + col_term[None, :]
     if MASKED:
-        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
         s = gl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
