@@ -7,8 +7,9 @@ not, any Nq / Nk (tails masked), GQA, optional LSE.
 
 A program takes 128 query rows: two consumer warpgroups of 64 rows share one producer warp, which brings K
 (with ΔS) and Vᵀ blocks by TMA into ``STAGES``-deep rings. Per-thread groups make δQ·δK one value a lane and
-64-key span, so S costs one multiply-add an element (with ΔS); each lane loads its δK two blocks ahead. Each
-consumer runs (block j)::
+64-key span, so S costs one multiply-add an element (with ΔS); each lane loads its δK two blocks ahead. Scores stay
+in raw units (log₂e/√d is applied in the exp2's own multiply-add) and ΔS keeps its row constant q̄·K̄, which softmax
+does not see (only the LSE removes it). Each consumer runs (block j)::
 
     [its turn]  issue Q·K_{j+1}, issue P̃_j·V_j        (async wgmma; then the other warpgroup's turn)
                 wait(1)  -> Q·K_{j+1} done               (P̃_j·V_j still runs)
@@ -85,15 +86,18 @@ def _lane_k_scale(KS_ptr, key0, lane7: gl.constexpr, BLOCK_N: gl.constexpr, vali
 
 
 @gluon.jit
-def _softmax_block(s_int, scale7, ds_smem, ds_shift, qk_scale, j, NK, m_i, l_i, last_key,
+def _softmax_block(s_int, scale7, ds_smem, qk_scale, j, NK, m_i, l_i, last_key,
                    BLOCK_N: gl.constexpr, SMOOTH_Q: gl.constexpr, MASKED: gl.constexpr, col_s: gl.constexpr,
                    row_s: gl.constexpr, p_op: gl.constexpr):
-    """Online softmax of key block ``j``: S = (Q̂·K̂ᵀ) δQ δK (+ ΔS) in log2 units → P̃ as e4m3 at 448.
+    """Online softmax of key block ``j``: S = (Q̂·K̂ᵀ) δQ δK (+ ΔS_raw) → P̃ = 2^((S − m)·qk_scale) as e4m3 at 448.
 
-    ``s_int (64, BLOCK_N)`` the int32 Q̂·K̂ᵀ (exact in fp32: |Q̂·K̂ᵀ| < 2²⁴); ``scale7`` δQ δK · log2(e)/√d per lane
-    (:func:`_lane_scale_shape`), one multiply-add an element with ΔS; ``MASKED``: keys past ``last_key (64,)`` of
-    each row are −inf (causal). Returns ``p_hat`` (FP8, the A operand of P̃·V), the rescale ``alpha (64,)`` of what
-    came before, and the new running max and sum.
+    ``s_int (64, BLOCK_N)`` the int32 Q̂·K̂ᵀ (exact in fp32: |Q̂·K̂ᵀ| < 2²⁴); ``scale7`` δQ δK per lane
+    (:func:`_lane_scale_shape`), one multiply-add an element with ΔS_raw = q̄·K_j. S, ``m_i`` and the returned max
+    are raw scores: ΔS_raw's row constant q̄·K̄ (the reference's ΔS is q̄·(K_j − K̄)) shifts a row's scores and
+    its max alike, so P̃ and α are the reference's up to fp32 rounding; ``qk_scale`` = log₂e/√d enters through
+    the exp2's multiply-add. ``MASKED``: keys past ``last_key (64,)`` of each row are −inf (causal). Returns
+    ``p_hat`` (FP8, the A operand of P̃·V), the rescale ``alpha (64,)`` of what came before, and the new running
+    max and sum.
     """
     LOG2_PMAX: gl.constexpr = 8.807354922057604  # log2(448)
     s_mma: gl.constexpr = s_int.type.layout
@@ -101,7 +105,7 @@ def _softmax_block(s_int, scale7, ds_smem, ds_shift, qk_scale, j, NK, m_i, l_i, 
     s = gl.convert_layout(gl.reshape(s7, [s_int.shape[0], BLOCK_N]), s_mma)  # same registers: no data movement
     keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
     if SMOOTH_Q:  # ΔS is −inf at the pad keys: no key mask
-        col_term = ds_smem.load(col_s) * qk_scale - ds_shift * qk_scale
+        col_term = ds_smem.load(col_s)
     else:
         col_term = gl.where(keys < NK, 0.0, float("-inf"))
     s = s + col_term[None, :]
@@ -109,8 +113,8 @@ def _softmax_block(s_int, scale7, ds_smem, ds_shift, qk_scale, j, NK, m_i, l_i, 
         s = gl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(s - (m_safe - LOG2_PMAX)[:, None])  # = 448 · P̃
+    alpha = gl.exp2((m_i - m_safe) * qk_scale)
+    p = gl.exp2(s * qk_scale - (m_safe * qk_scale - LOG2_PMAX)[:, None])  # = 448 · P̃
     l_i = l_i * alpha + gl.sum(p, 1)
     # within each 32 keys, key k of the FP8 A operand is the accumulator's column 16k₄+8k₁+4k₃+2k₂+k₀: this
     # reordering costs no data movement (the registers are already where the operand wants them), and Vᵀ's
@@ -130,7 +134,7 @@ def _publish(p_hat, p_smem):
 
 @gluon.jit
 def _section(j, WG: gl.constexpr, q_wg, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn, KS_ptr, k_row0,
-             n_blocks, qs, ks_next, ks_after, ds_shift, qk_scale, NK, m_i, l_i, alpha, acc, last_key, zero_s, zero_o,
+             n_blocks, qs, ks_next, ks_after, qk_scale, NK, m_i, l_i, alpha, acc, last_key, zero_s, zero_o,
              lane7: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SMOOTH_Q: gl.constexpr,
              MASKED: gl.constexpr, col_s: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr, p_op: gl.constexpr):
     """Section j + 1 of a consumer: Q·K_{j+1} and P̃_j·V_j on its turn, softmax j + 1 under P̃_j·V_j, then
@@ -149,8 +153,8 @@ def _section(j, WG: gl.constexpr, q_wg, p_s, k_s, ds_s, v_s, k_ready, v_ready, k
                                  is_async=True)
     mbarrier.arrive(turn.index(OTHER))
     s_int = hopper.warpgroup_mma_wait(1, deps=[s_tok])
-    p_hat, alpha_next, m_i, l_i = _softmax_block(s_int, qs * ks_cur, ds_s.index(nbuf), ds_shift, qk_scale, j + 1, NK,
-                                                 m_i, l_i, last_key, BLOCK_N, SMOOTH_Q, MASKED, col_s, row_s, p_op)
+    p_hat, alpha_next, m_i, l_i = _softmax_block(s_int, qs * ks_cur, ds_s.index(nbuf), qk_scale, j + 1, NK, m_i,
+                                                 l_i, last_key, BLOCK_N, SMOOTH_Q, MASKED, col_s, row_s, p_op)
     _publish(p_hat, p_s.index(2 * WG + (j + 1) % 2))  # the other buffer: P̃_j·V_j still reads this one
     r = hopper.warpgroup_mma_wait(0, deps=[r_tok])
     mbarrier.arrive(kv_empty.index(buf))  # K_j and V_j are done with: one arrival releases both
@@ -189,14 +193,8 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_e
                                       gl.SliceLayout(6, lane7)))))  # dims (0, 2): warp w, lane row i
     q_rows = (r0 + 16 * gl.arange(0, 4, layout=gl.SliceLayout(1, ql))[:, None]
               + gl.arange(0, 8, layout=gl.SliceLayout(0, ql))[None, :])
-    qs = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + q_rows, mask=q_rows < NQ, other=0.0) * qk_scale
+    qs = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + q_rows, mask=q_rows < NQ, other=0.0)
     qs = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qs, 1), 3), 4), 5), 6)
-    ds_shift = 0.0
-    if SMOOTH_Q:
-        if SMOOTH_K:  # ΔS_raw = q̄·K holds the row constant q̄·K̄ too
-            d_1 = gl.arange(0, HEAD_DIM, layout=col_o)
-            qm = gl.load(QM_ptr + (pid_bh * NQB + r0 // Q_BLOCK) * HEAD_DIM + d_1)
-            ds_shift = gl.sum(qm * gl.load(KM_ptr + bh_kv * HEAD_DIM + d_1), 0)
     q_wg = q_s.slice(WG * WG_ROWS, WG_ROWS)
     zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.int32, layout=s_mma)
     zero_o = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_mma)
@@ -210,7 +208,7 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_e
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
     scale = qs * _lane_k_scale(KS_ptr, k_row0, lane7, BLOCK_N)
-    p_hat, alpha, m_i, l_i = _softmax_block(s_int, scale, ds_s.index(0), ds_shift, qk_scale, 0, NK, m_i, l_i,
+    p_hat, alpha, m_i, l_i = _softmax_block(s_int, scale, ds_s.index(0), qk_scale, 0, NK, m_i, l_i,
                                             last_key, BLOCK_N, SMOOTH_Q, CAUSAL, col_s, row_s, p_op)
     _publish(p_hat, p_s.index(2 * WG))
     acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_mma)
@@ -220,13 +218,13 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_e
     for j in range(n_full - 1):
         m_i, l_i, alpha, acc, ks_next, ks_after = _section(
             j, WG, q_wg, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn, KS_ptr, k_row0, n_blocks, qs,
-            ks_next, ks_after, ds_shift, qk_scale, NK, m_i, l_i, alpha, acc, last_key, zero_s, zero_o, lane7,
+            ks_next, ks_after, qk_scale, NK, m_i, l_i, alpha, acc, last_key, zero_s, zero_o, lane7,
             BLOCK_N, STAGES, SMOOTH_Q, False, col_s, row_s, row_o, p_op)
     if CAUSAL:
         for j in range(gl.maximum(n_full - 1, 0), n_blocks - 1):
             m_i, l_i, alpha, acc, ks_next, ks_after = _section(
                 j, WG, q_wg, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn, KS_ptr, k_row0, n_blocks, qs,
-                ks_next, ks_after, ds_shift, qk_scale, NK, m_i, l_i, alpha, acc, last_key, zero_s, zero_o, lane7,
+                ks_next, ks_after, qk_scale, NK, m_i, l_i, alpha, acc, last_key, zero_s, zero_o, lane7,
                 BLOCK_N, STAGES, SMOOTH_Q, True, col_s, row_s, row_o, p_op)
     # section n_blocks: P̃·V of the last block
     last = (n_blocks - 1) % STAGES
@@ -250,8 +248,13 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_e
     o_ptrs = O_ptr + b.to(gl.int64) * stride_ob + h * stride_oh + rows_o[:, None] * stride_om + d_o[None, :]
     gl.store(o_ptrs, out.to(O_ptr.dtype.element_ty), mask=rows_o[:, None] < NQ)
     if RETURN_LSE:
+        ds_shift = 0.0  # the row constant q̄·K̄ that ΔS_raw holds and the reference's ΔS does not
+        if SMOOTH_Q:
+            if SMOOTH_K:
+                qm = gl.load(QM_ptr + (pid_bh * NQB + r0 // Q_BLOCK) * HEAD_DIM + d_o)
+                ds_shift = gl.sum(qm * gl.load(KM_ptr + bh_kv * HEAD_DIM + d_o), 0)
         l_e = gl.where(l_i == 0.0, 1.0, l_i)
-        lse = (m_i + gl.log2(l_e) - LOG2_PMAX) * 0.6931471805599453
+        lse = ((m_i - ds_shift) * qk_scale + gl.log2(l_e) - LOG2_PMAX) * 0.6931471805599453
         lse = gl.where(l_i == 0.0, float("-inf"), lse)
         gl.store(LSE_ptr + pid_bh.to(gl.int64) * NQ + rows, lse, mask=rows < NQ)
 
