@@ -74,7 +74,7 @@ def _mask_scores(s, cols, offs_m, NK, DIAG, CAUSAL: tl.constexpr):
 @triton.jit
 def _attn_block(
     acc, l_i, m_i, q, qs,
-    K_ptr, KS_ptr, VT_ptr, DS_ptr, ds_shift, ds_scale,
+    K_ptr, KS_ptr, VT_ptr, DS_ptr, qk_scale,
     lo, hi, offs_m, NK, DIAG,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NK_PAD_STRIDE,
     QK_FP8: tl.constexpr, PV_INT8: tl.constexpr, P_MAX: tl.constexpr, L_FROM_P: tl.constexpr,
@@ -83,8 +83,10 @@ def _attn_block(
 ):
     """Keys ``[lo, hi)`` in blocks of BLOCK_N; ``MASKED`` adds the causal / tail mask.
 
-    ``l_i`` is kept in units of P_MAX: P_MAX·P̃ = 2^(S₂ − m + log₂ P_MAX) comes straight out
-    of exp2 (no multiply before the FP8/INT8 cast).
+    ``l_i`` is kept in units of P_MAX: P_MAX·P̃ = 2^((S − m)·qk_scale + log₂ P_MAX) comes straight out
+    of exp2 (no multiply before the FP8/INT8 cast). S and ``m_i`` are raw scores (``qs`` without the softmax
+    scale; qk_scale = log₂e/√d enters through the exp2's multiply-add), and with smooth Q S holds ΔS_raw = q̄·K_j
+    as stored: its row constant q̄·K̄ shifts a row's scores and its max alike, so P̃ and α are unchanged.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -99,7 +101,7 @@ def _attn_block(
             s_int = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
             s = s_int.to(tl.float32) * ks[None, :]  # Hopper's I2F is fast: the 1.5·2²³ trick gained nothing here
         if SMOOTH_Q:
-            s = s * qs[:, None] + ((tl.load(DS_ptr + cols) - ds_shift) * ds_scale)[None, :]
+            s = s * qs[:, None] + tl.load(DS_ptr + cols)[None, :]
         else:
             s = s * qs[:, None]
         if MASKED:
@@ -109,8 +111,8 @@ def _attn_block(
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = m_new
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - (m_safe - LOG2_PMAX)[:, None])  # = P_MAX · P̃
+        alpha = tl.math.exp2((m_i - m_safe) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - (m_safe * qk_scale - LOG2_PMAX)[:, None])  # = P_MAX · P̃
         vt = tl.load(VT_ptr + offs_d[:, None] * NK_PAD_STRIDE + cols[None, :])
         if PV_INT8:
             # P_MAX·P̃ ∈ [0, 127]: adding 1.5·2²³ rounds it half-to-even into the low mantissa bits, so
@@ -207,7 +209,7 @@ def _attn_fwd_kernel(
     row_ok = offs_m < NQ
     q = tl.load(Q_ptr + (pid_bh.to(tl.int64) * NQ + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
-    qs = tl.load(QS_ptr + pid_bh.to(tl.int64) * NQ + offs_m, mask=row_ok, other=0.0) * qk_scale
+    qs = tl.load(QS_ptr + pid_bh.to(tl.int64) * NQ + offs_m, mask=row_ok, other=0.0)
     k_base = K_ptr + bh_kv.to(tl.int64) * NK_PAD * HEAD_DIM
     ks_base = KS_ptr + bh_kv.to(tl.int64) * NK_PAD
     vt_base = VT_ptr + bh_kv.to(tl.int64) * HEAD_DIM * NK_PAD
@@ -216,7 +218,7 @@ def _attn_fwd_kernel(
     if SMOOTH_Q:
         qb = m0 // Q_BLOCK
         ds_base = DS_ptr + (pid_bh.to(tl.int64) * NQB + qb) * NK_PAD
-        if SMOOTH_K:  # ΔS_raw = q̄·K holds the row constant q̄·K̄ too: ΔS = ΔS_raw − q̄·K̄
+        if SMOOTH_K:  # ΔS_raw = q̄·K holds the row constant q̄·K̄, which only the LSE removes
             qm = tl.load(QM_ptr + (pid_bh * NQB + qb) * HEAD_DIM + offs_d)
             ds_shift = tl.sum(qm * tl.load(KM_ptr + bh_kv * HEAD_DIM + offs_d), 0)
 
@@ -235,22 +237,22 @@ def _attn_fwd_kernel(
     if TURBO:
         vs_base = VS_ptr + bh_kv.to(tl.int64) * (NK_PAD // BLOCK_N)
         acc, l_i, m_i = _attn_block_turbo(
-            acc, l_i, m_i, q, qs, k_base, ks_base, vt_base, vs_base, 0, full_hi, offs_m, row_ok, NK, diag,
+            acc, l_i, m_i, q, qs * qk_scale, k_base, ks_base, vt_base, vs_base, 0, full_hi, offs_m, row_ok, NK, diag,
             HEAD_DIM, BLOCK_N, NK_PAD, P_MAX, CAUSAL, False,
         )
         acc, l_i, m_i = _attn_block_turbo(
-            acc, l_i, m_i, q, qs, k_base, ks_base, vt_base, vs_base, full_hi, hi, offs_m, row_ok, NK, diag,
+            acc, l_i, m_i, q, qs * qk_scale, k_base, ks_base, vt_base, vs_base, full_hi, hi, offs_m, row_ok, NK, diag,
             HEAD_DIM, BLOCK_N, NK_PAD, P_MAX, CAUSAL, True,
         )
         out = acc  # dequantized block by block
     else:
         acc, l_i, m_i = _attn_block(
-            acc, l_i, m_i, q, qs, k_base, ks_base, vt_base, ds_base, ds_shift, qk_scale, 0, full_hi, offs_m, NK, diag,
+            acc, l_i, m_i, q, qs, k_base, ks_base, vt_base, ds_base, qk_scale, 0, full_hi, offs_m, NK, diag,
             HEAD_DIM, BLOCK_N, NK_PAD, QK_FP8, PV_INT8, P_MAX, L_FROM_P, SMOOTH_Q, CAUSAL, False, TWO_LEVEL,
             EMULATE,
         )
         acc, l_i, m_i = _attn_block(
-            acc, l_i, m_i, q, qs, k_base, ks_base, vt_base, ds_base, ds_shift, qk_scale, full_hi, hi, offs_m, NK,
+            acc, l_i, m_i, q, qs, k_base, ks_base, vt_base, ds_base, qk_scale, full_hi, hi, offs_m, NK,
             diag, HEAD_DIM, BLOCK_N, NK_PAD, QK_FP8, PV_INT8, P_MAX, L_FROM_P, SMOOTH_Q, CAUSAL, True, TWO_LEVEL,
             EMULATE,
         )
@@ -270,7 +272,8 @@ def _attn_fwd_kernel(
         if TURBO:  # m and ℓ in natural units
             lse = m_i + tl.log(tl.where(empty, 1.0, l_i))
         else:
-            lse = (m_i + tl.math.log2(tl.where(empty, 1.0, l_i)) - LOG2_PMAX) * 0.6931471805599453
+            lse = (m_i - ds_shift) * qk_scale + tl.math.log2(tl.where(empty, 1.0, l_i)) - LOG2_PMAX
+            lse = lse * 0.6931471805599453
         lse = tl.where(empty, float("-inf"), lse)
         tl.store(LSE_ptr + pid_bh.to(tl.int64) * NQ + offs_m, lse, mask=row_ok)
 
