@@ -18,8 +18,8 @@ through them; launched on the current stream):
 Which path each mode takes: ``sage2-8b``/``sage2-4b`` (INT8 tensor cores, INT4 values for 4b),
 ``int8-flash``, ``fireq`` and ``turbo``'s prefill (SAS exponential, per-tile P scale, per-block V
 scale) run these Triton kernels on sm_89/sm_90 (sm_80 for configs without FP8 operands); on sm_90,
-sage2's head_dim-128 calls with at least ``GLUON_MIN_KEYS`` keys (causal: ``GLUON_MIN_KEYS_CAUSAL``) run the
-Gluon kernel (same numerics, FA3's warp-specialised ping-pong schedule).
+sage2's non-causal head_dim-128 calls with at least ``GLUON_MIN_KEYS`` keys run the Gluon kernel (same numerics,
+FA3's warp-specialised ping-pong schedule).
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from .quant_attention_ref import smooth_k_lse_shift
 HEAD_DIMS = (64, 128)
 KEY_BLOCK = 128  # the attention kernel's key block; K/V are padded to a multiple of it
 FP8_OPERANDS = ("fp8_e4m3",)
-# the Gluon sage2 kernel from this many keys on (causal: GLUON_MIN_KEYS_CAUSAL); below, the Triton kernel is as fast
-# or faster (H200, eval/results/bench_attention/NOTES.md, "Gluon ping-pong kernel" and "session 14")
+# the Gluon sage2 kernel from this many keys on, non-causal; below, the Triton kernel is as fast (2k: 1.01×), and
+# causal calls stay on the Triton kernel, faster at every length measured since both compute scores in raw units
+# (H200: Gluon 0.91 / 0.95 / 0.96 / 0.98× at 4k / 8k / 16k / 32k; eval/results/bench_attention/NOTES.md, session 15)
 GLUON_MIN_KEYS = 4096
-GLUON_MIN_KEYS_CAUSAL = 16384
 
 
 # --------------------------------------------------------------------------- config mapping
@@ -129,15 +129,15 @@ def gluon_takes(cfg: AttentionConfig, head_dim: int, nk: int, is_causal: bool) -
     """Whether :func:`~quantpatch.kernels.attn_gluon.attn_sage2_gluon` computes this call (on sm_90): sage2's
     INT8-tensor-core Q·Kᵀ with per-thread groups the kernel reads as one δQ·δK a lane (``block_q / warps`` a
     multiple of 16, ``block_k`` of 64), FP8 P̃·V accumulated per block, per-channel V; head_dim 128, query blocks
-    of a multiple of 128 rows, at least ``GLUON_MIN_KEYS`` keys (causal: ``GLUON_MIN_KEYS_CAUSAL``); False where
-    the Gluon module does not import."""
+    of a multiple of 128 rows, non-causal, at least ``GLUON_MIN_KEYS`` keys; False where the Gluon module does not
+    import."""
     lane_groups = (_attn_gluon is not None and cfg.qk_granularity == "thread"
                    and (cfg.block_q // cfg.warps) % 16 == 0 and cfg.block_k % _attn_gluon.K_SPAN.value == 0)
     return (lane_groups and cfg.numerics == "sage2" and cfg.qk_format in ("int8", "int4")
             and cfg.pv_format in FP8_OPERANDS
             and cfg.two_level_accum and not cfg.l_from_quantized_p and not cfg.p_from_block_max
             and cfg.exp == "exact" and cfg.v_granularity == "channel" and cfg.block_q % 128 == 0
-            and head_dim == 128 and nk >= (GLUON_MIN_KEYS_CAUSAL if is_causal else GLUON_MIN_KEYS))
+            and head_dim == 128 and not is_causal and nk >= GLUON_MIN_KEYS)
 
 
 def uses_gluon(cfg: AttentionConfig, device: torch.device, head_dim: int, nk: int, is_causal: bool) -> bool:

@@ -71,7 +71,7 @@ def test_gpu_gluon_matches_the_triton_kernel(nq, nk, smooth_q, stages, causal):
     "mode, head_dim, nk, is_causal, takes",
     [("sage2-8b", 128, 4096, False, True), ("sage2-4b", 128, 8192, False, True),
      ("sage2-8b", 128, 4095, False, False), ("sage2-8b", 128, 4096, True, False),
-     ("sage2-8b", 128, 16384, True, True),
+     ("sage2-8b", 128, 32768, True, False),
      ("sage2-8b", 64, 4096, False, False), ("int8-flash", 128, 4096, False, False),
      ("fireq", 128, 4096, False, False)],
 )
@@ -99,9 +99,10 @@ def test_gluon_takes_only_per_thread_groups_it_reads_as_one_scale_a_lane(overrid
 @needs_cuda
 @hopper
 @pytest.mark.parametrize("causal, nk", [(False, 4096), (True, 16384)])
-def test_gpu_public_api_takes_the_gluon_kernel_on_long_calls(causal, nk):
+def test_gpu_public_api_routes_long_calls(causal, nk):
     """``quantpatch.attention`` from the route's key count on returns the Gluon kernel's output bit for bit (same
-    operands), and it is within the Triton kernel's bound of the Triton kernel's."""
+    operands) for non-causal calls and the Triton kernel's for causal ones; the two kernels agree within the
+    bound."""
     import quantpatch as qp
     from quantpatch.kernels import fast_paths
     from quantpatch.kernels.attn_gluon import attn_sage2_gluon
@@ -116,8 +117,8 @@ def test_gpu_public_api_takes_the_gluon_kernel_on_long_calls(causal, nk):
     gluon, _ = attn_sage2_gluon(x, nk, is_causal=causal, block_q=cfg.block_q)
     triton_o, _ = attn_qk_int8_pv_fp8(x, nk, is_causal=causal, block_q=cfg.block_q,
                                       **fast_paths.kernel_blocks(cfg, 128))
-    assert torch.equal(o, gluon)
-    assert rel_l1(o.float(), triton_o.float()) <= OUT_TOL
+    assert torch.equal(o, triton_o if causal else gluon)
+    assert rel_l1(gluon.float(), triton_o.float()) <= OUT_TOL
 
 
 def test_quantization_writes_v_in_the_gluon_key_order_when_asked():
