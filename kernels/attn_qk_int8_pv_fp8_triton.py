@@ -214,13 +214,8 @@ def _attn_fwd_kernel(
     ks_base = KS_ptr + bh_kv.to(tl.int64) * NK_PAD
     vt_base = VT_ptr + bh_kv.to(tl.int64) * HEAD_DIM * NK_PAD
     ds_base = DS_ptr
-    ds_shift = 0.0
     if SMOOTH_Q:
-        qb = m0 // Q_BLOCK
-        ds_base = DS_ptr + (pid_bh.to(tl.int64) * NQB + qb) * NK_PAD
-        if SMOOTH_K:  # ΔS_raw = q̄·K holds the row constant q̄·K̄, which only the LSE removes
-            qm = tl.load(QM_ptr + (pid_bh * NQB + qb) * HEAD_DIM + offs_d)
-            ds_shift = tl.sum(qm * tl.load(KM_ptr + bh_kv * HEAD_DIM + offs_d), 0)
+        ds_base = DS_ptr + (pid_bh.to(tl.int64) * NQB + m0 // Q_BLOCK) * NK_PAD
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -272,6 +267,11 @@ def _attn_fwd_kernel(
         if TURBO:  # m and ℓ in natural units
             lse = m_i + tl.log(tl.where(empty, 1.0, l_i))
         else:
+            ds_shift = 0.0  # the row constant q̄·K̄ that ΔS_raw holds and the reference's ΔS does not
+            if SMOOTH_Q:
+                if SMOOTH_K:
+                    qm = tl.load(QM_ptr + (pid_bh * NQB + m0 // Q_BLOCK) * HEAD_DIM + offs_d)
+                    ds_shift = tl.sum(qm * tl.load(KM_ptr + bh_kv * HEAD_DIM + offs_d), 0)
             lse = (m_i - ds_shift) * qk_scale + tl.math.log2(tl.where(empty, 1.0, l_i)) - LOG2_PMAX
             lse = lse * 0.6931471805599453
         lse = tl.where(empty, float("-inf"), lse)
