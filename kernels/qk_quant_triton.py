@@ -10,14 +10,20 @@ One call turns bf16/fp16 ``q (B, H, Nq, D)``, ``k, v (B, Hkv, Nk, D)`` into the 
     ΔS[b, j] = q̄_b · γ(K_j) = q̄_b · K_j − q̄_b · K̄    (fp32, one row of Nk per query block)
     V̂ = e4m3(V / δV) or clamp(rne(V / δV), ±qmax),  δV = absmax_channel|tensor|block / vmax
 
-Launches: ``_quant_q_kernel`` (one pass over Q: block mean q̄, groups, quantization),
-``_kv_stats_kernel`` (a pass over K and V in 64-token programs: column-sum / max / min partials
-and the V absmax), ``_delta_s_kernel`` (ΔS_raw = q̄ · Kᵀ on the *raw* K, since K̄ spans all tokens),
-``_kv_finalize_kernel`` (one program per kv head reduces the partials in a fixed order: K̄, V̄,
-V channel scales) and ``_quant_kv_kernel`` (second pass over K and V: smooth and quantize K,
-quantize V and write it transposed). The attention kernel subtracts the row constant q̄_b · K̄
-from ΔS_raw, which leaves ΔS = q̄_b · γ(K_j) as in the reference (the mean is removed after the
-product: exact products, one fp32 cancellation of size |q̄ · K̄|).
+Launches (three):
+
+1. ``_q_and_kv_stats_kernel``: programs of two kinds in one grid. Query-block programs
+   (``_quant_q_block``: block mean q̄, groups, quantization, in 32-row tiles); statistics programs
+   (``_kv_stats_chunk``: column-sum / max / min partials of K and V over 512 tokens, the V absmax).
+   The program that finishes a kv head's last chunk (an atomic ticket) reduces that head's partials
+   in a fixed order (``_kv_finalize_head``: K̄, V̄, V channel scales), so no launch waits for it.
+2. ``_delta_s_kernel``: ΔS_raw = q̄ · Kᵀ on the *raw* K (K̄ spans all tokens).
+3. ``_quant_kv_kernel``: the second pass over K and V: smooth and quantize K, quantize V and
+   write it transposed.
+
+ΔS_raw differs from the reference's ΔS = q̄_b · γ(K_j) by the row constant q̄_b · K̄, which moves a row's
+scores and its max alike: the attention kernels add ΔS_raw as stored and subtract q̄_b · K̄ from the LSE
+only (exact products, one fp32 cancellation of size |q̄ · K̄|).
 
 Numerics notes: divisions are IEEE (as PyTorch): ``tl.math.div_rn``, or per element one FMA-corrected
 product with a per-row / per-channel reciprocal (``_div_by``, the same quotient); rounding is
@@ -51,7 +57,9 @@ V_NONE, V_CHANNEL, V_TENSOR, V_BLOCK = 0, 1, 2, 3
 V_GRAN_IDS = {"channel": V_CHANNEL, "tensor": V_TENSOR, "block": V_BLOCK}
 
 STATS_TILE = 16  # tokens per load of the K/V statistics pass
-STATS_TILES = 8  # loads per program: one partial per STATS_TILES · STATS_TILE tokens
+STATS_TILES = 32  # loads per program: one partial per STATS_TILES · STATS_TILE tokens (8: 7 % slower at 8k, H200)
+Q_SUB_ROWS = 32  # rows a load of the Q pass (at least one warp segment)
+Q_STATS_WARPS = 4  # launch 1 (the Q pass alone: 8 and 16 warps measured slower on the H200 at 128 × 128)
 DS_TUNING = dict(block_n=128, qb_tile=64, num_warps=4, num_stages=2)  # launch of the ΔS GEMM
 
 
@@ -164,19 +172,70 @@ def _dot_bf16(a, b, acc, EMULATE: tl.constexpr):
     return tl.dot(a, tl.trans(b), acc)
 
 
-@triton.jit(do_not_specialize=["NK"])
-def _kv_stats_kernel(
-    K_ptr, V_ptr, KSUM_ptr, VSUM_ptr, VMAX_ptr, VMIN_ptr, VABS_ptr,
+@triton.jit
+def _q_tile(x_base, rows, stride_xn, offs_d, N, mean, SMOOTH: tl.constexpr):
+    """Rows ``rows [SUB]`` of a query block as fp32 ``[SUB, D]``, zero past ``N``; minus ``mean [D]`` if SMOOTH."""
+    mask = rows[:, None] < N
+    x = tl.load(x_base + rows[:, None] * stride_xn + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if SMOOTH:
+        x = tl.where(mask, x - mean[None, :], 0.0)
+    return x
+
+
+@triton.jit
+def _quant_q_block(
+    X_ptr, XQ_ptr, XS_ptr, XM_ptr, pid_n, pid_bh,
+    stride_xb, stride_xh, stride_xn,
+    N, H, NB,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, GRAN: tl.constexpr, WARPS: tl.constexpr,
+    QMAX: tl.constexpr, FMT: tl.constexpr, SMOOTH: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """Query block ``pid_n`` (BLOCK = block_q rows) of head ``pid_bh``: optional block-mean smoothing, grouped
+    quantization, in SUB-row tiles (a multiple of the warp segment, so no quantization group spans two):
+    a pass for the block mean, one for a per-block absmax, then one that quantizes. The later passes re-read
+    the block from cache; tiles of SUB rows keep few registers, so many programs overlap their loads."""
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_d = tl.arange(0, HEAD_DIM)
+    x_base = X_ptr + b * stride_xb + h * stride_xh
+    row0 = pid_n * BLOCK
+    mean = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    if SMOOTH:
+        col_sum = tl.zeros([SUB, HEAD_DIM], dtype=tl.float32)
+        for t in tl.range(0, BLOCK // SUB, num_stages=2):
+            col_sum += _q_tile(x_base, row0 + t * SUB + tl.arange(0, SUB), stride_xn, offs_d, N, mean, False)
+        mean = tl.math.div_rn(tl.sum(col_sum, 0), tl.minimum(N - row0, BLOCK).to(tl.float32))
+        tl.store(XM_ptr + (pid_bh * NB + pid_n) * HEAD_DIM + offs_d, mean)
+    if GRAN == 1:  # one group for the whole block
+        block_max = tl.zeros([SUB], dtype=tl.float32)
+        for t in tl.range(0, BLOCK // SUB, num_stages=2):
+            x = _q_tile(x_base, row0 + t * SUB + tl.arange(0, SUB), stride_xn, offs_d, N, mean, SMOOTH)
+            block_max = tl.maximum(block_max, tl.max(tl.abs(x), 1))
+        block_max = tl.max(block_max, 0)
+    for t in tl.range(0, BLOCK // SUB, num_stages=2):
+        rows = row0 + t * SUB + tl.arange(0, SUB)
+        x = _q_tile(x_base, rows, stride_xn, offs_d, N, mean, SMOOTH)
+        if GRAN == 1:
+            gmax = tl.full([SUB], 0.0, dtype=tl.float32) + block_max
+        else:
+            gmax = _group_absmax(tl.max(tl.abs(x), 1), SUB, GRAN, True, BLOCK, WARPS)
+        xq, scale = _quantize_rows(x, gmax, QMAX, FMT, EMULATE)
+        tl.store(XQ_ptr + (pid_bh * N + rows[:, None]) * HEAD_DIM + offs_d[None, :], xq, mask=rows[:, None] < N)
+        tl.store(XS_ptr + pid_bh * N + rows, scale, mask=rows < N)
+
+
+@triton.jit
+def _kv_stats_chunk(
+    K_ptr, V_ptr, KSUM_ptr, VSUM_ptr, VMAX_ptr, VMIN_ptr, VABS_ptr, pid_c, pid_bh,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     NK, HKV, NCHUNK,
     HEAD_DIM: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
     DO_K: tl.constexpr, DO_VSUM: tl.constexpr, DO_VMINMAX: tl.constexpr, DO_VABS: tl.constexpr,
 ):
-    """Per (kv head, TILES · TILE tokens): column-sum partials of K and V, column max/min partials of V, and
-    the global absmax of V (atomic max: order-free, exact). Element-wise accumulators over the TILES loads
-    (pipelined), one reduction over the TILE rows at the end: a fixed order for a given shape."""
-    pid_c = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)  # offsets of large tensors exceed int32
+    """Chunk ``pid_c`` (TILES · TILE tokens) of kv head ``pid_bh``: column-sum partials of K and V, column
+    max/min partials of V, and the global absmax of V (atomic max: order-free, exact). Element-wise
+    accumulators over the TILES loads (pipelined), one reduction over the TILE rows at the end: a fixed
+    order for a given shape."""
     b = pid_bh // HKV
     hk = pid_bh % HKV
     offs_d = tl.arange(0, HEAD_DIM)
@@ -208,6 +267,50 @@ def _kv_stats_kernel(
         tl.atomic_max(VABS_ptr, tl.max(tl.maximum(tl.max(v_max, 0), -tl.min(v_min, 0)), 0))
 
 
+@triton.jit
+def _kv_finalize_head(
+    KSUM_ptr, VSUM_ptr, VMAX_ptr, VMIN_ptr, KM_ptr, VM_ptr, VS_ptr, pid_bh,
+    NCHUNK, NK_F,
+    HEAD_DIM: tl.constexpr, RTILE: tl.constexpr, V_QMAX: tl.constexpr,
+    SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, V_CHANNEL: tl.constexpr,
+):
+    """Kv head ``pid_bh``: reduce the statistics partials in a fixed order (deterministic) into K̄, V̄ and
+    the per-channel V scale absmax(V − V̄) / vmax (1 for an all-zero channel). The partials were written
+    by other programs of the same launch: they are read from L2 (``.cg``), past this SM's L1."""
+    offs_c = tl.arange(0, RTILE)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = pid_bh * NCHUNK * HEAD_DIM
+    k_sum = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    v_sum = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    v_max = tl.full([HEAD_DIM], float("-inf"), dtype=tl.float32)
+    v_min = tl.full([HEAD_DIM], float("inf"), dtype=tl.float32)
+    for c0 in range(0, NCHUNK, RTILE):
+        ptrs = base + (c0 + offs_c)[:, None] * HEAD_DIM + offs_d[None, :]
+        m = (c0 + offs_c)[:, None] < NCHUNK
+        if SMOOTH_K:
+            k_sum += tl.sum(tl.load(KSUM_ptr + ptrs, mask=m, other=0.0, cache_modifier=".cg"), 0)
+        if SMOOTH_V:
+            v_sum += tl.sum(tl.load(VSUM_ptr + ptrs, mask=m, other=0.0, cache_modifier=".cg"), 0)
+        if V_CHANNEL:
+            v_max = tl.maximum(v_max, tl.max(tl.load(VMAX_ptr + ptrs, mask=m, other=float("-inf"),
+                                                     cache_modifier=".cg"), 0))
+            v_min = tl.minimum(v_min, tl.min(tl.load(VMIN_ptr + ptrs, mask=m, other=float("inf"),
+                                                     cache_modifier=".cg"), 0))
+    if SMOOTH_K:
+        tl.store(KM_ptr + pid_bh * HEAD_DIM + offs_d, tl.math.div_rn(k_sum, NK_F))
+    if SMOOTH_V:
+        v_mean = tl.math.div_rn(v_sum, NK_F)
+        tl.store(VM_ptr + pid_bh * HEAD_DIM + offs_d, v_mean)
+    if V_CHANNEL:
+        # |v − v̄| peaks at the channel max or min (fp32 subtraction is monotonic)
+        if SMOOTH_V:
+            amax = tl.maximum(v_max - v_mean, v_mean - v_min)
+        else:
+            amax = tl.maximum(v_max, -v_min)
+        v_scale = tl.math.div_rn(amax, V_QMAX)
+        tl.store(VS_ptr + pid_bh * HEAD_DIM + offs_d, tl.where(v_scale == 0.0, 1.0, v_scale))
+
+
 @triton.jit(do_not_specialize=["NK"])
 def _delta_s_kernel(
     K_ptr, QM_ptr, DS_ptr,
@@ -216,13 +319,13 @@ def _delta_s_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QB_TILE: tl.constexpr, K_BF16: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
-    """ΔS_raw[b, h, qb, j] = q̄[b, h, qb] · K[b, h // G, j] for BLOCK_N keys and every query block; −inf at the
-    padding keys Nk ≤ j < Nk_pad.
+    """ΔS_raw[b, h, qb, j] = q̄[b, h, qb] · K[b, h // G, j] for BLOCK_N keys of a kv head and every query block
+    of its G query heads; −inf at the padding keys Nk ≤ j < Nk_pad.
 
     A small GEMM (M = query blocks, N = keys, K = head_dim) on the raw K, whose mean is not known
-    yet; the attention kernel subtracts the row constant q̄ · K̄. It runs on bf16 tensor cores over
-    exact splits (q̄ = hi + mid + lo; K exact in bf16, or hi + lo from fp16): every product is
-    exact, the sums are fp32.
+    before this launch; the attention kernel subtracts the row constant q̄ · K̄. It runs on bf16 tensor
+    cores over exact splits (q̄ = hi + mid + lo; K exact in bf16, or hi + lo from fp16): every product
+    is exact, the sums are fp32.
     """
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # offsets of large tensors exceed int32
@@ -259,90 +362,19 @@ def _delta_s_kernel(
                      mask=(qb[:, None] < NQB) & (rows[None, :] < NK_PAD))
 
 
-@triton.jit
-def _kv_finalize_kernel(
-    KSUM_ptr, VSUM_ptr, VMAX_ptr, VMIN_ptr, KM_ptr, VM_ptr, VS_ptr,
-    NCHUNK, NK_F,
-    HEAD_DIM: tl.constexpr, RTILE: tl.constexpr, V_QMAX: tl.constexpr,
-    SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, V_CHANNEL: tl.constexpr,
-):
-    """Per kv head: reduce the statistics partials in a fixed order (deterministic) into K̄, V̄ and
-    the per-channel V scale absmax(V − V̄) / vmax (1 for an all-zero channel)."""
-    pid_bh = tl.program_id(0).to(tl.int64)
-    offs_c = tl.arange(0, RTILE)
-    offs_d = tl.arange(0, HEAD_DIM)
-    base = pid_bh * NCHUNK * HEAD_DIM
-    k_sum = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    v_sum = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    v_max = tl.full([HEAD_DIM], float("-inf"), dtype=tl.float32)
-    v_min = tl.full([HEAD_DIM], float("inf"), dtype=tl.float32)
-    for c0 in range(0, NCHUNK, RTILE):
-        ptrs = base + (c0 + offs_c)[:, None] * HEAD_DIM + offs_d[None, :]
-        m = (c0 + offs_c)[:, None] < NCHUNK
-        if SMOOTH_K:
-            k_sum += tl.sum(tl.load(KSUM_ptr + ptrs, mask=m, other=0.0), 0)
-        if SMOOTH_V:
-            v_sum += tl.sum(tl.load(VSUM_ptr + ptrs, mask=m, other=0.0), 0)
-        if V_CHANNEL:
-            v_max = tl.maximum(v_max, tl.max(tl.load(VMAX_ptr + ptrs, mask=m, other=float("-inf")), 0))
-            v_min = tl.minimum(v_min, tl.min(tl.load(VMIN_ptr + ptrs, mask=m, other=float("inf")), 0))
-    if SMOOTH_K:
-        tl.store(KM_ptr + pid_bh * HEAD_DIM + offs_d, tl.math.div_rn(k_sum, NK_F))
-    if SMOOTH_V:
-        v_mean = tl.math.div_rn(v_sum, NK_F)
-        tl.store(VM_ptr + pid_bh * HEAD_DIM + offs_d, v_mean)
-    if V_CHANNEL:
-        # |v − v̄| peaks at the channel max or min (fp32 subtraction is monotonic)
-        if SMOOTH_V:
-            amax = tl.maximum(v_max - v_mean, v_mean - v_min)
-        else:
-            amax = tl.maximum(v_max, -v_min)
-        v_scale = tl.math.div_rn(amax, V_QMAX)
-        tl.store(VS_ptr + pid_bh * HEAD_DIM + offs_d, tl.where(v_scale == 0.0, 1.0, v_scale))
-
-
-@triton.jit(do_not_specialize=["N"])
-def _quant_q_kernel(
-    X_ptr, XQ_ptr, XS_ptr, XM_ptr,
-    stride_xb, stride_xh, stride_xn,
-    N, H, NB,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, GRAN: tl.constexpr, WARPS: tl.constexpr, QMAX: tl.constexpr,
-    FMT: tl.constexpr, SMOOTH: tl.constexpr, EMULATE: tl.constexpr,
-):
-    """One query block of BLOCK (= block_q) rows: optional block-mean smoothing, grouped quantization."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)  # offsets of large tensors exceed int32
-    b = pid_bh // H
-    h = pid_bh % H
-    rows = pid_n * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask = rows[:, None] < N
-    x = tl.load(X_ptr + b * stride_xb + h * stride_xh + rows[:, None] * stride_xn + offs_d[None, :],
-                mask=mask, other=0.0).to(tl.float32)
-    if SMOOTH:
-        count = tl.minimum(N - pid_n * BLOCK, BLOCK).to(tl.float32)
-        mean = tl.math.div_rn(tl.sum(x, 0), count)
-        tl.store(XM_ptr + (pid_bh * NB + pid_n) * HEAD_DIM + offs_d, mean)
-        x = tl.where(mask, x - mean[None, :], 0.0)
-    gmax = _group_absmax(tl.max(tl.abs(x), 1), BLOCK, GRAN, True, BLOCK, WARPS)
-    xq, scale = _quantize_rows(x, gmax, QMAX, FMT, EMULATE)
-    tl.store(XQ_ptr + (pid_bh * N + rows[:, None]) * HEAD_DIM + offs_d[None, :], xq, mask=mask)
-    tl.store(XS_ptr + pid_bh * N + rows, scale, mask=rows < N)
-
-
 @triton.jit(do_not_specialize=["NK"])
 def _quant_kv_kernel(
     K_ptr, V_ptr, KQ_ptr, KS_ptr, KM_ptr, VT_ptr, VS_ptr, VM_ptr, VABS_ptr,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     NK, NK_PAD, HKV, NKB,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, GBLOCK: tl.constexpr, GRAN: tl.constexpr, QMAX: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, GRAN: tl.constexpr, QMAX: tl.constexpr,
     K_FMT: tl.constexpr, SMOOTH_K: tl.constexpr,
     V_MODE: tl.constexpr, V_FMT: tl.constexpr, V_QMAX: tl.constexpr, SMOOTH_V: tl.constexpr,
     V_KEY_ORDER: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    """BLOCK key rows of one kv head (rows past Nk, up to Nk_pad, are written as zeros):
-    smooth + quantize K, quantize V and write it transposed (statistics from the finalize pass); with
-    ``V_KEY_ORDER`` the keys of each 32 in the Gluon kernel's order (``attn_gluon.wgmma_key_order``)."""
+    """BLOCK key rows of one kv head (rows past Nk, up to Nk_pad, are written as zeros): smooth + quantize K,
+    quantize V and write it transposed (statistics from the first launch); with ``V_KEY_ORDER`` the keys of
+    each 32 in the Gluon kernel's order (``attn_gluon.wgmma_key_order``)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # offsets of large tensors exceed int32
     b = pid_bh // HKV
@@ -355,7 +387,7 @@ def _quant_kv_kernel(
                 mask=valid, other=0.0).to(tl.float32)
     if SMOOTH_K:
         k = tl.where(valid, k - tl.load(KM_ptr + pid_bh * HEAD_DIM + offs_d)[None, :], 0.0)
-    gmax = _group_absmax(tl.max(tl.abs(k), 1), BLOCK, GRAN, False, GBLOCK, 1)
+    gmax = _group_absmax(tl.max(tl.abs(k), 1), BLOCK, GRAN, False, BLOCK, 1)
     kq, k_scale = _quantize_rows(k, gmax, QMAX, K_FMT, EMULATE)
     tl.store(KQ_ptr + (pid_bh * NK_PAD + rows[:, None]) * HEAD_DIM + offs_d[None, :], kq)
     tl.store(KS_ptr + pid_bh * NK_PAD + rows, tl.where(rows < NK, k_scale, 0.0))
@@ -369,7 +401,7 @@ def _quant_kv_kernel(
                     mask=v_valid, other=0.0).to(tl.float32)
         if SMOOTH_V:
             v = tl.where(v_valid, v - tl.load(VM_ptr + pid_bh * HEAD_DIM + offs_d)[None, :], 0.0)
-        if V_MODE == 1:  # per channel (scale from the finalize pass)
+        if V_MODE == 1:  # per channel (scale from the first launch)
             y = _div_by(v, tl.load(VS_ptr + pid_bh * HEAD_DIM + offs_d)[None, :])
         elif V_MODE == 2:  # one scale for the whole tensor
             v_scale = tl.math.div_rn(tl.load(VABS_ptr), V_QMAX)
@@ -387,6 +419,39 @@ def _quant_kv_kernel(
         else:
             vq = _to_fp8e4m3(y, EMULATE)
         tl.store(VT_ptr + (pid_bh * HEAD_DIM + offs_d[None, :]) * NK_PAD + rows[:, None], vq)
+
+
+@triton.jit(do_not_specialize=["NQ", "NK"])
+def _q_and_kv_stats_kernel(
+    Q_ptr, QQ_ptr, QS_ptr, QM_ptr,
+    K_ptr, V_ptr, KSUM_ptr, VSUM_ptr, VMAX_ptr, VMIN_ptr, VABS_ptr, TICKET_ptr, KM_ptr, VM_ptr, VS_ptr,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    NQ, H, NQB, Q_PROGRAMS, NK, HKV, NCHUNK, NK_F,
+    HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, Q_SUB: tl.constexpr, GRAN: tl.constexpr, WARPS: tl.constexpr,
+    QMAX: tl.constexpr, QK_FMT: tl.constexpr, SMOOTH_Q: tl.constexpr, SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr,
+    V_CHANNEL: tl.constexpr, V_ABS: tl.constexpr, V_QMAX: tl.constexpr,
+    TILE: tl.constexpr, TILES: tl.constexpr, RTILE: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """First launch. Programs ``[0, Q_PROGRAMS)``: one query block each (``_quant_q_block``). The rest: one
+    statistics chunk each (``_kv_stats_chunk``); the program that finishes a kv head's last chunk (a ticket:
+    an acq_rel atomic counter per head, after a CTA barrier that orders every thread's partial stores before
+    it) reduces that head's partials (``_kv_finalize_head``)."""
+    pid = tl.program_id(0)
+    if pid < Q_PROGRAMS:
+        _quant_q_block(Q_ptr, QQ_ptr, QS_ptr, QM_ptr, pid % NQB, (pid // NQB).to(tl.int64),
+                       stride_qb, stride_qh, stride_qn, NQ, H, NQB,
+                       HEAD_DIM, BLOCK_Q, Q_SUB, GRAN, WARPS, QMAX, QK_FMT, SMOOTH_Q, EMULATE)
+    else:
+        s = pid - Q_PROGRAMS
+        pid_bh = (s // NCHUNK).to(tl.int64)  # offsets of large tensors exceed int32
+        _kv_stats_chunk(K_ptr, V_ptr, KSUM_ptr, VSUM_ptr, VMAX_ptr, VMIN_ptr, VABS_ptr, s % NCHUNK, pid_bh,
+                        stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, NK, HKV, NCHUNK,
+                        HEAD_DIM, TILE, TILES, SMOOTH_K, SMOOTH_V, V_CHANNEL, V_ABS)
+        if SMOOTH_K or SMOOTH_V or V_CHANNEL:
+            tl.debug_barrier()
+            if tl.atomic_add(TICKET_ptr + pid_bh, 1, sem="acq_rel") == NCHUNK - 1:
+                _kv_finalize_head(KSUM_ptr, VSUM_ptr, VMAX_ptr, VMIN_ptr, KM_ptr, VM_ptr, VS_ptr, pid_bh,
+                                  NCHUNK, NK_F, HEAD_DIM, RTILE, V_QMAX, SMOOTH_K, SMOOTH_V, V_CHANNEL)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -495,35 +560,44 @@ def quantize_qkv(
     if smooth_v and v_mode == V_TENSOR:
         raise ValueError("smooth_v with a per-tensor V scale is not supported by the kernels")
 
-    # 1. Q: block mean, smoothing, grouped quantization (q̄ is needed by the ΔS pass)
+    # launch 1: Q (block mean, smoothing, grouped quantization) beside the K/V statistics; each kv head's
+    # last statistics program reduces its partials into K̄, V̄ and the per-channel V scale
     q_hat = torch.empty((b, h, nq, d), device=dev, dtype=qk_dtype)
     q_scale = torch.empty((b, h, nq), **f32)
     q_mean = torch.empty((b, h, nqb, d), **f32) if smooth_q else torch.empty(0, **f32)
-    _quant_q_kernel[(nqb, b * h)](
-        q, q_hat, q_scale, q_mean,
-        q.stride(0), q.stride(1), q.stride(2),
-        nq, h, nqb,
-        HEAD_DIM=d, BLOCK=block_q, GRAN=GRAN_IDS[qk_granularity], WARPS=warps, QMAX=q_max,
-        FMT=qk_fmt, SMOOTH=smooth_q, EMULATE=emulate,
-        num_warps=4,  # 8 (and 16) measured slower on the H200 at 128 × 128 (bench_attention.py --profile)
-    )
-
-    # 2. statistics partials of K and V; ΔS_raw = q̄ · Kᵀ
+    need_stats = smooth_k or need_vsum or need_vminmax or need_vabs
     nchunk = triton.cdiv(nk, STATS_TILE * STATS_TILES)
     ksum = torch.empty(b * hkv * nchunk * d, **f32) if smooth_k else empty
     vsum = torch.empty(b * hkv * nchunk * d, **f32) if need_vsum else empty
     vmax = torch.empty(b * hkv * nchunk * d, **f32) if need_vminmax else empty
     vmin = torch.empty(b * hkv * nchunk * d, **f32) if need_vminmax else empty
     vabs = torch.zeros(1, **f32) if need_vabs else empty
-    if smooth_k or need_vsum or need_vminmax or need_vabs:
-        _kv_stats_kernel[(nchunk, b * hkv)](
-            k, v, ksum, vsum, vmax, vmin, vabs,
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            nk, hkv, nchunk,
-            HEAD_DIM=d, TILE=STATS_TILE, TILES=STATS_TILES,
-            DO_K=smooth_k, DO_VSUM=need_vsum, DO_VMINMAX=need_vminmax, DO_VABS=need_vabs,
-            num_warps=4,
-        )
+    finalize = smooth_k or smooth_v or need_vminmax
+    tickets = torch.zeros(b * hkv, device=dev, dtype=torch.int32) if finalize else empty
+    k_mean = torch.empty((b, hkv, d), **f32) if smooth_k else torch.empty(0, **f32)
+    v_mean = torch.empty((b, hkv, d), **f32) if smooth_v else torch.empty(0, **f32)
+    if v_mode == V_CHANNEL:
+        v_scale = torch.empty((b, hkv, d), **f32)
+    elif v_mode == V_BLOCK:
+        v_scale = torch.empty((b, hkv, nkb), **f32)
+    else:
+        v_scale = torch.empty(1, **f32)
+    q_programs = nqb * b * h
+    _q_and_kv_stats_kernel[(q_programs + (nchunk * b * hkv if need_stats else 0),)](
+        q, q_hat, q_scale, q_mean,
+        k, v, ksum, vsum, vmax, vmin, vabs, tickets, k_mean, v_mean, v_scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        nq, h, nqb, q_programs, nk, hkv, nchunk, float(nk),
+        HEAD_DIM=d, BLOCK_Q=block_q, Q_SUB=min(block_q, max(block_q // warps, Q_SUB_ROWS)),
+        GRAN=GRAN_IDS[qk_granularity], WARPS=warps, QMAX=q_max,
+        QK_FMT=qk_fmt, SMOOTH_Q=smooth_q, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v,
+        V_CHANNEL=need_vminmax, V_ABS=need_vabs, V_QMAX=v_max,
+        TILE=STATS_TILE, TILES=STATS_TILES, RTILE=32, EMULATE=emulate,
+        num_warps=Q_STATS_WARPS,
+    )
+
+    # launch 2: ΔS_raw = q̄ · Kᵀ on the raw K (needs q̄ only)
     delta_s = torch.empty((b, h, nqb, nk_pad), **f32) if smooth_q else torch.empty(0, **f32)
     if smooth_q:
         ds_block = min(DS_TUNING["block_n"], pad_to)
@@ -536,25 +610,7 @@ def quantize_qkv(
             EMULATE=emulate, num_warps=DS_TUNING["num_warps"], num_stages=DS_TUNING["num_stages"],
         )
 
-    # 3. reduce the partials once per kv head: K̄, V̄, per-channel V scale
-    k_mean = torch.empty((b, hkv, d), **f32) if smooth_k else torch.empty(0, **f32)
-    v_mean = torch.empty((b, hkv, d), **f32) if smooth_v else torch.empty(0, **f32)
-    if v_mode == V_CHANNEL:
-        v_scale = torch.empty((b, hkv, d), **f32)
-    elif v_mode == V_BLOCK:
-        v_scale = torch.empty((b, hkv, nkb), **f32)
-    else:
-        v_scale = torch.empty(1, **f32)
-    if smooth_k or smooth_v or v_mode == V_CHANNEL:
-        _kv_finalize_kernel[(b * hkv,)](
-            ksum, vsum, vmax, vmin, k_mean, v_mean, v_scale,
-            nchunk, float(nk),
-            HEAD_DIM=d, RTILE=32, V_QMAX=v_max,
-            SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, V_CHANNEL=v_mode == V_CHANNEL,
-            num_warps=4,
-        )
-
-    # 4. K and V
+    # launch 3: K and V (needs the statistics of launch 1)
     k_hat = torch.empty((b, hkv, nk_pad, d), device=dev, dtype=qk_dtype)
     k_scale = torch.empty((b, hkv, nk_pad), **f32)
     v_hat_t = torch.empty((b, hkv, d, nk_pad), device=dev, dtype=v_dtype)
@@ -562,7 +618,7 @@ def quantize_qkv(
         k, v, k_hat, k_scale, k_mean, v_hat_t, v_scale, v_mean, vabs,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         nk, nk_pad, hkv, nkb,
-        HEAD_DIM=d, BLOCK=block_k, GBLOCK=block_k, GRAN=GRAN_IDS[qk_granularity], QMAX=q_max,
+        HEAD_DIM=d, BLOCK=block_k, GRAN=GRAN_IDS[qk_granularity], QMAX=q_max,
         K_FMT=qk_fmt, SMOOTH_K=smooth_k,
         V_MODE=v_mode, V_FMT=v_fmt, V_QMAX=v_max, SMOOTH_V=smooth_v, V_KEY_ORDER=v_key_order, EMULATE=emulate,
         num_warps=4,

@@ -129,6 +129,32 @@ def test_quantization_variants_bit_exact(options):
     _check_quantization(q, k, v, kw)
 
 
+def test_statistics_of_a_head_over_many_programs():
+    """K̄, V̄ and the V channel scales of a kv head whose statistics span several programs: the program that
+    finishes a head's last chunk reduces every chunk's partials (a ticket), so each must be visible to it. On the
+    GPU the allocator's free memory is first filled with NaN, so a partial read before it was written shows;
+    two calls must agree bit for bit (a fixed reduction order), and the means match float64 ones."""
+    from quantpatch.kernels.qk_quant_triton import STATS_TILE, STATS_TILES, quantize_qkv
+
+    nk = 3 * STATS_TILE * STATS_TILES + 5  # four chunks, the last one partial
+    q, k, v = _inputs(64, nk, kind="outliers", seed=3)
+    kw = {**_quant_kw("sage2-8b"), "smooth_v": True}
+    outs = []
+    for _ in range(2):
+        if CUDA:
+            torch.full((64 << 20,), float("nan"), device=DEVICE)  # freed at once: the next allocations reuse it
+        outs.append(quantize_qkv(q, k, v, **kw))
+    for name, a, b in zip(outs[0]._fields, *outs):
+        assert torch.equal(a.view(torch.int8) if a.element_size() == 1 else a,
+                           b.view(torch.int8) if b.element_size() == 1 else b), name
+    k64, v64 = k.double(), v.double()
+    torch.testing.assert_close(outs[0].k_mean.double(), k64.mean(-2), rtol=MEAN_RTOL, atol=MEAN_RTOL * 10)
+    v_mean = v64.mean(-2)
+    torch.testing.assert_close(outs[0].v_mean.double(), v_mean, rtol=MEAN_RTOL, atol=MEAN_RTOL)
+    v_scale = (v64 - v_mean.unsqueeze(-2)).abs().amax(-2) / 448
+    torch.testing.assert_close(outs[0].v_scale.double(), v_scale, rtol=MEAN_RTOL, atol=0)
+
+
 @triton.jit
 def _divide_kernel(X, D, Y, N: tl.constexpr):
     i = tl.arange(0, N)
