@@ -59,7 +59,7 @@ V_GRAN_IDS = {"channel": V_CHANNEL, "tensor": V_TENSOR, "block": V_BLOCK}
 STATS_TILE = 16  # tokens per load of the K/V statistics pass
 STATS_TILES = 32  # loads per program: one partial per STATS_TILES · STATS_TILE tokens (8: 7 % slower at 8k, H200)
 Q_SUB_ROWS = 32  # rows a load of the Q pass (at least one warp segment)
-Q_STATS_WARPS = 4  # launch 1 (the Q pass alone: 8 and 16 warps measured slower on the H200 at 128 × 128)
+Q_STATS_WARPS = 4  # launch 1 (H200, session 16: 8 warps 1.3–1.4× slower at 2k–32k)
 DS_TUNING = dict(block_n=128, qb_tile=64, num_warps=4, num_stages=2)  # launch of the ΔS GEMM
 
 
@@ -322,10 +322,10 @@ def _delta_s_kernel(
     """ΔS_raw[b, h, qb, j] = q̄[b, h, qb] · K[b, h // G, j] for BLOCK_N keys of a kv head and every query block
     of its G query heads; −inf at the padding keys Nk ≤ j < Nk_pad.
 
-    A small GEMM (M = query blocks, N = keys, K = head_dim) on the raw K, whose mean is not known
-    before this launch; the attention kernel subtracts the row constant q̄ · K̄. It runs on bf16 tensor
-    cores over exact splits (q̄ = hi + mid + lo; K exact in bf16, or hi + lo from fp16): every product
-    is exact, the sums are fp32.
+    A small GEMM (M = query blocks, N = keys, K = head_dim) on the raw K, exact in bf16 where K − K̄ would
+    not be; ΔS_raw keeps the row constant q̄ · K̄ (see the module docstring). It runs on bf16 tensor cores
+    over exact splits (q̄ = hi + mid + lo; K exact in bf16, or hi + lo from fp16): every product is exact,
+    the sums are fp32.
     """
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # offsets of large tensors exceed int32
