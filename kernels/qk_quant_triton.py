@@ -429,7 +429,7 @@ def _q_and_kv_stats_kernel(
     NQ, H, NQB, Q_PROGRAMS, NK, HKV, NCHUNK, NK_F,
     HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, Q_SUB: tl.constexpr, GRAN: tl.constexpr, WARPS: tl.constexpr,
     QMAX: tl.constexpr, QK_FMT: tl.constexpr, SMOOTH_Q: tl.constexpr, SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr,
-    V_CHANNEL: tl.constexpr, V_ABS: tl.constexpr, V_QMAX: tl.constexpr,
+    V_CHANNEL: tl.constexpr, V_ABS: tl.constexpr, V_QMAX: tl.constexpr, FINALIZE: tl.constexpr,
     TILE: tl.constexpr, TILES: tl.constexpr, RTILE: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """First launch. Programs ``[0, Q_PROGRAMS)``: one query block each (``_quant_q_block``). The rest: one
@@ -447,7 +447,7 @@ def _q_and_kv_stats_kernel(
         _kv_stats_chunk(K_ptr, V_ptr, KSUM_ptr, VSUM_ptr, VMAX_ptr, VMIN_ptr, VABS_ptr, s % NCHUNK, pid_bh,
                         stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, NK, HKV, NCHUNK,
                         HEAD_DIM, TILE, TILES, SMOOTH_K, SMOOTH_V, V_CHANNEL, V_ABS)
-        if SMOOTH_K or SMOOTH_V or V_CHANNEL:
+        if FINALIZE:
             tl.debug_barrier()
             if tl.atomic_add(TICKET_ptr + pid_bh, 1, sem="acq_rel") == NCHUNK - 1:
                 _kv_finalize_head(KSUM_ptr, VSUM_ptr, VMAX_ptr, VMIN_ptr, KM_ptr, VM_ptr, VS_ptr, pid_bh,
@@ -592,7 +592,7 @@ def quantize_qkv(
         HEAD_DIM=d, BLOCK_Q=block_q, Q_SUB=min(block_q, max(block_q // warps, Q_SUB_ROWS)),
         GRAN=GRAN_IDS[qk_granularity], WARPS=warps, QMAX=q_max,
         QK_FMT=qk_fmt, SMOOTH_Q=smooth_q, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v,
-        V_CHANNEL=need_vminmax, V_ABS=need_vabs, V_QMAX=v_max,
+        V_CHANNEL=need_vminmax, V_ABS=need_vabs, V_QMAX=v_max, FINALIZE=finalize,
         TILE=STATS_TILE, TILES=STATS_TILES, RTILE=32, EMULATE=emulate,
         num_warps=Q_STATS_WARPS,
     )
