@@ -1,19 +1,29 @@
 """Launching a kernel Triton has already compiled without ``JITFunction.run``'s per-call work (argument binding,
-specialization, cache lookup: ~80 µs of host time a call for a Gluon kernel on the H200's host), for decode-step
-kernels whose GPU time is a few µs to a few tens of µs.
+specialization, cache lookup: ~80 µs of host time a call for a Gluon kernel on the H200's host, 40–60 µs for the
+prefill pass's Triton kernels), for kernels whose GPU time is a few µs to a few hundred µs: decode steps, and
+prefill at 1k tokens, where four launches of host work outlast the GPU's.
 
 A caller keeps the ``CompiledKernel`` that a first ``kernel[grid](...)`` returned, keyed by everything Triton
 specializes it on (:func:`specialization` of the runtime arguments, the constexprs and the launch options), and
-passes later calls with the same key to :func:`relaunch`. :func:`cdiv` and :func:`next_pow2` are the launchers'
-host integer arithmetic: ``triton.cdiv`` and ``triton.next_power_of_2`` are ``ConstexprFunction`` calls, a few µs
-each on the host, which a decode step's launcher pays on every call.
+passes later calls with the same key to :func:`relaunch`; :class:`LaunchPlans` does both for one kernel.
+:func:`cdiv` and :func:`next_pow2` are the launchers' host integer arithmetic: ``triton.cdiv`` and
+``triton.next_power_of_2`` are ``ConstexprFunction`` calls, a few µs each on the host, which a decode step's
+launcher pays on every call.
 """
 
 from __future__ import annotations
 
+import os
+
+import torch
 from triton import knobs
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
+
+
+def interpreting() -> bool:
+    """True under the Triton CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def specialization(args: tuple) -> tuple:
@@ -32,6 +42,11 @@ def next_pow2(x: int) -> int:
     return 1 << max(x - 1, 0).bit_length()
 
 
+def current_stream(device: int) -> int:
+    """The raw handle of ``device``'s current CUDA stream (what a launcher takes)."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
 def relaunch(kernel, grid: tuple[int, int, int], stream: int, args: tuple) -> None:
     """Launch the compiled ``kernel`` on ``grid`` and ``stream`` with ``args``: every kernel parameter in signature
     order, constexprs included (the launcher skips them). Triton's launch hooks (profilers) still run."""
@@ -39,3 +54,39 @@ def relaunch(kernel, grid: tuple[int, int, int], stream: int, args: tuple) -> No
     meta = None if enter is None else kernel.launch_metadata(grid, stream, *args)
     kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, meta, enter, knobs.runtime.launch_exit_hook,
                *args)
+
+
+class LaunchPlans:
+    """Launch plans of one ``@triton.jit`` / ``@gluon.jit`` kernel: for each (device, constexprs, launch options,
+    :func:`specialization` of the runtime arguments) the ``CompiledKernel`` that ``JITFunction.run`` picked on the
+    first call with that key; later calls go to its launcher (:func:`relaunch`). Under the interpreter every call
+    goes through ``kernel[grid]``."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._plans: dict[tuple, object] = {}
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, **options) -> None:
+        """Launch on ``grid`` (1 to 3 dims) and the current stream of ``args[0]``'s device. ``args``: the kernel's
+        runtime parameters, in signature order, first a tensor; ``constexprs``: the parameters after them, by name
+        in signature order (checked on a plan's first launch); ``options``: ``num_warps``, ``num_stages``, ..."""
+        if interpreting():
+            self.kernel[grid](*args, **constexprs, **options)
+            return
+        device = args[0].device.index
+        key = (device, tuple(constexprs.values()), tuple(options.items()), specialization(args))
+        compiled = self._plans.get(key)
+        if compiled is not None:
+            relaunch(compiled, tuple(grid) + (1,) * (3 - len(grid)), current_stream(device),
+                     args + tuple(constexprs.values()))
+            return
+        if list(constexprs) != self.kernel.arg_names[len(args):]:
+            raise ValueError(f"{self.kernel.__name__}: constexprs {list(constexprs)} are not the parameters after the "
+                             f"{len(args)} runtime ones, {self.kernel.arg_names[len(args):]}")
+        self._plans[key] = self.kernel[grid](*args, **constexprs, **options)

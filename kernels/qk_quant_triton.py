@@ -41,13 +41,13 @@ up to the attention kernel's key block so its loads need no masks.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from .compiled_launch import LaunchPlans, cdiv, interpreting
 from .quant_ref import FP8_MAX, cast_fp8, quantize_symmetric, quantize_tokens, symmetric_scale, token_absmax
 
 # Integer ids of the string knobs (constexpr switches compile unused branches out).
@@ -61,11 +61,6 @@ STATS_TILES = 32  # loads per program: one partial per STATS_TILES · STATS_TILE
 Q_SUB_ROWS = 32  # rows a load of the Q pass (at least one warp segment)
 Q_STATS_WARPS = 4  # launch 1 (H200, session 16: 8 warps 1.3–1.4× slower at 2k–32k)
 DS_TUNING = dict(block_n=128, qb_tile=64, num_warps=4, num_stages=2)  # launch of the ΔS GEMM
-
-
-def interpreting() -> bool:
-    """True under the Triton CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # --------------------------------------------------------------------------- jit helpers
@@ -456,6 +451,10 @@ def _q_and_kv_stats_kernel(
 
 # --------------------------------------------------------------------------- launcher
 
+_STATS_LAUNCH = LaunchPlans(_q_and_kv_stats_kernel)  # later calls of a shape skip JITFunction.run's host work
+_DELTA_S_LAUNCH = LaunchPlans(_delta_s_kernel)
+_KV_LAUNCH = LaunchPlans(_quant_kv_kernel)
+
 
 class QuantizedQKV(NamedTuple):
     """Operands of the quantized attention kernels (see the module docstring for layouts).
@@ -548,8 +547,8 @@ def quantize_qkv(
     f32 = dict(device=dev, dtype=torch.float32)
     qk_dtype = torch.int8 if qk_fmt == FMT_INT else torch.float8_e4m3fn
     v_dtype = torch.int8 if v_fmt == FMT_INT else torch.float8_e4m3fn
-    nk_pad = triton.cdiv(nk, pad_to) * pad_to
-    nqb = triton.cdiv(nq, block_q)
+    nk_pad = cdiv(nk, pad_to) * pad_to
+    nqb = cdiv(nq, block_q)
     nkb = nk_pad // block_k
     emulate = interpreting()
     empty = torch.empty(0, **f32)
@@ -566,11 +565,11 @@ def quantize_qkv(
     q_scale = torch.empty((b, h, nq), **f32)
     q_mean = torch.empty((b, h, nqb, d), **f32) if smooth_q else torch.empty(0, **f32)
     need_stats = smooth_k or need_vsum or need_vminmax or need_vabs
-    nchunk = triton.cdiv(nk, STATS_TILE * STATS_TILES)
-    ksum = torch.empty(b * hkv * nchunk * d, **f32) if smooth_k else empty
-    vsum = torch.empty(b * hkv * nchunk * d, **f32) if need_vsum else empty
-    vmax = torch.empty(b * hkv * nchunk * d, **f32) if need_vminmax else empty
-    vmin = torch.empty(b * hkv * nchunk * d, **f32) if need_vminmax else empty
+    nchunk = cdiv(nk, STATS_TILE * STATS_TILES)
+    part = max(b * hkv * nchunk * d, 1)
+    wanted = (smooth_k, need_vsum, need_vminmax, need_vminmax)  # the chunks' partials, in one allocation
+    parts = iter(torch.empty(sum(wanted) * part, **f32).split(part))
+    ksum, vsum, vmax, vmin = (next(parts) if w else empty for w in wanted)
     vabs = torch.zeros(1, **f32) if need_vabs else empty
     finalize = smooth_k or smooth_v or need_vminmax
     tickets = torch.zeros(b * hkv, device=dev, dtype=torch.int32) if finalize else empty
@@ -583,17 +582,18 @@ def quantize_qkv(
     else:
         v_scale = torch.empty(1, **f32)
     q_programs = nqb * b * h
-    _q_and_kv_stats_kernel[(q_programs + (nchunk * b * hkv if need_stats else 0),)](
-        q, q_hat, q_scale, q_mean,
-        k, v, ksum, vsum, vmax, vmin, vabs, tickets, k_mean, v_mean, v_scale,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        nq, h, nqb, q_programs, nk, hkv, nchunk, float(nk),
-        HEAD_DIM=d, BLOCK_Q=block_q, Q_SUB=min(block_q, max(block_q // warps, Q_SUB_ROWS)),
-        GRAN=GRAN_IDS[qk_granularity], WARPS=warps, QMAX=q_max,
-        QK_FMT=qk_fmt, SMOOTH_Q=smooth_q, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v,
-        V_CHANNEL=need_vminmax, V_ABS=need_vabs, V_QMAX=v_max, FINALIZE=finalize,
-        TILE=STATS_TILE, TILES=STATS_TILES, RTILE=32, EMULATE=emulate,
+    _STATS_LAUNCH(
+        (q_programs + (nchunk * b * hkv if need_stats else 0),),
+        (q, q_hat, q_scale, q_mean,
+         k, v, ksum, vsum, vmax, vmin, vabs, tickets, k_mean, v_mean, v_scale,
+         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+         v.stride(0), v.stride(1), v.stride(2),
+         nq, h, nqb, q_programs, nk, hkv, nchunk, float(nk)),
+        dict(HEAD_DIM=d, BLOCK_Q=block_q, Q_SUB=min(block_q, max(block_q // warps, Q_SUB_ROWS)),
+             GRAN=GRAN_IDS[qk_granularity], WARPS=warps, QMAX=q_max,
+             QK_FMT=qk_fmt, SMOOTH_Q=smooth_q, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v,
+             V_CHANNEL=need_vminmax, V_ABS=need_vabs, V_QMAX=v_max, FINALIZE=finalize,
+             TILE=STATS_TILE, TILES=STATS_TILES, RTILE=32, EMULATE=emulate),
         num_warps=Q_STATS_WARPS,
     )
 
@@ -601,26 +601,25 @@ def quantize_qkv(
     delta_s = torch.empty((b, h, nqb, nk_pad), **f32) if smooth_q else torch.empty(0, **f32)
     if smooth_q:
         ds_block = min(DS_TUNING["block_n"], pad_to)
-        _delta_s_kernel[(triton.cdiv(nk_pad, ds_block), b * hkv)](
-            k, q_mean, delta_s,
-            k.stride(0), k.stride(1), k.stride(2),
-            nk, nk_pad, hkv, h // hkv, nqb,
-            HEAD_DIM=d, BLOCK_N=ds_block, QB_TILE=16 if emulate else DS_TUNING["qb_tile"],
-            K_BF16=k.dtype == torch.bfloat16,
-            EMULATE=emulate, num_warps=DS_TUNING["num_warps"], num_stages=DS_TUNING["num_stages"],
+        _DELTA_S_LAUNCH(
+            (cdiv(nk_pad, ds_block), b * hkv),
+            (k, q_mean, delta_s, k.stride(0), k.stride(1), k.stride(2), nk, nk_pad, hkv, h // hkv, nqb),
+            dict(HEAD_DIM=d, BLOCK_N=ds_block, QB_TILE=16 if emulate else DS_TUNING["qb_tile"],
+                 K_BF16=k.dtype == torch.bfloat16, EMULATE=emulate),
+            num_warps=DS_TUNING["num_warps"], num_stages=DS_TUNING["num_stages"],
         )
 
     # launch 3: K and V (needs the statistics of launch 1)
     k_hat = torch.empty((b, hkv, nk_pad, d), device=dev, dtype=qk_dtype)
     k_scale = torch.empty((b, hkv, nk_pad), **f32)
     v_hat_t = torch.empty((b, hkv, d, nk_pad), device=dev, dtype=v_dtype)
-    _quant_kv_kernel[(nkb, b * hkv)](
-        k, v, k_hat, k_scale, k_mean, v_hat_t, v_scale, v_mean, vabs,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        nk, nk_pad, hkv, nkb,
-        HEAD_DIM=d, BLOCK=block_k, GRAN=GRAN_IDS[qk_granularity], QMAX=q_max,
-        K_FMT=qk_fmt, SMOOTH_K=smooth_k,
-        V_MODE=v_mode, V_FMT=v_fmt, V_QMAX=v_max, SMOOTH_V=smooth_v, V_KEY_ORDER=v_key_order, EMULATE=emulate,
+    _KV_LAUNCH(
+        (nkb, b * hkv),
+        (k, v, k_hat, k_scale, k_mean, v_hat_t, v_scale, v_mean, vabs,
+         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+         nk, nk_pad, hkv, nkb),
+        dict(HEAD_DIM=d, BLOCK=block_k, GRAN=GRAN_IDS[qk_granularity], QMAX=q_max, K_FMT=qk_fmt, SMOOTH_K=smooth_k,
+             V_MODE=v_mode, V_FMT=v_fmt, V_QMAX=v_max, SMOOTH_V=smooth_v, V_KEY_ORDER=v_key_order, EMULATE=emulate),
         num_warps=4,
     )
     return QuantizedQKV(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean)
@@ -662,7 +661,7 @@ def quantize_qkv_ref(
     _check_inputs(q, k, v)
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    nk_pad = triton.cdiv(nk, pad_to) * pad_to
+    nk_pad = cdiv(nk, pad_to) * pad_to
     qf, kf, vf = (t.to(dtype) for t in (q, k, v))
     qm_in, km_in, vm_in = means if means is not None else (None, None, None)
     empty = torch.empty(0, device=q.device, dtype=dtype)

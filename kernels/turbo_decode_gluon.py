@@ -51,7 +51,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .attn_qk_int8_pv_fp8_triton import LOG2E, SAS_THRESHOLD
-from .compiled_launch import cdiv, next_pow2, relaunch, specialization
+from .compiled_launch import LaunchPlans, cdiv, next_pow2
 from .gluon_compat import async_load, cta_barrier
 from .sas_ref import POLY_COEFFS
 from .turbo_decode_triton import default_num_splits as _triton_default_splits  # (defined before it imports this)
@@ -736,10 +736,7 @@ def default_num_splits(batch: int, kv_heads: int, n_blocks: int, device: torch.d
     return min(_triton_default_splits(batch, kv_heads, n_blocks, device, programs_per_sm=PROGRAMS_PER_SM), MAX_SPLITS)
 
 
-# Launch plans: (device, constexprs, register cap, specialization of the runtime arguments) → the compiled kernel,
-# the one ``JITFunction.run`` picks for that key; later calls go to its launcher directly (:mod:`.compiled_launch`).
-_PLANS: dict[tuple, object] = {}
-_CONSTEXPRS = ("GROUP", "G_PAD", "QMAX", "PMAX", "SPLITS_PAD", "STAGES", "EXACT", "REGULAR")
+_PLANS = LaunchPlans(_turbo_decode_gluon)  # later calls of a shape go to the compiled kernel's launcher
 
 
 def launch(q, heads, meta, steps, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zint, v_bscale, k_buf, k_buf_scale,
@@ -771,14 +768,7 @@ def launch(q, heads, meta, steps, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zi
             m_part, l_part, acc_part, counters,
             t, nb, hkv, len(heads), per_split, splits, sm_scale, heads[0], *(steps or (0, 0)))
     # one split follows the reference's roundings; several draw P̂ per split anyway: FMA contraction allowed
-    consts = (group, next_pow2(group), qk_qmax, pv_qmax, next_pow2(splits), STAGES,
-              splits == 1, steps is not None)
-    grid = (splits, b * len(heads), 1)
-    key = (q.device.index, consts, MAXNREG, specialization(args))
-    kernel = _PLANS.get(key)
-    if kernel is not None:
-        relaunch(kernel, grid, torch._C._cuda_getCurrentRawStream(q.device.index), args + consts)
-        return
-    _PLANS[key] = _turbo_decode_gluon[grid[:2]](*args, **dict(zip(_CONSTEXPRS, consts)), num_warps=1,
-                                                 enable_fp_fusion=splits > 1,
-                                                 **({"maxnreg": MAXNREG} if MAXNREG else {}))
+    consts = dict(GROUP=group, G_PAD=next_pow2(group), QMAX=qk_qmax, PMAX=pv_qmax, SPLITS_PAD=next_pow2(splits),
+                  STAGES=STAGES, EXACT=splits == 1, REGULAR=steps is not None)
+    _PLANS((splits, b * len(heads)), args, consts, num_warps=1, enable_fp_fusion=splits > 1,
+           **({"maxnreg": MAXNREG} if MAXNREG else {}))

@@ -55,9 +55,9 @@ from quantpatch.dispatch import cuda_unsupported
 from quantpatch.fallback import fall_back, note_implementation
 from quantpatch.w4a8_linear import register_w4a8_fast_path
 
-from .compiled_launch import cdiv, next_pow2
+from .compiled_launch import cdiv, interpreting, next_pow2
 from .gluon_gate import GluonGate
-from .qk_quant_triton import _to_fp8e4m3, interpreting
+from .qk_quant_triton import _to_fp8e4m3
 from .w4a8_ref import GROUP_SIZE
 
 ACT_BLOCK_K = 16384  # activation-quantization chunk along K: a row up to this long is read once

@@ -1,7 +1,7 @@
 """Per-program timeline of the W4A8 Gluon decode kernel (needs an sm_90 GPU): a copy of
-``kernels/w4a8_gluon.py`` with ``%globaltimer`` stamps at its phase boundaries (written at run time as
-``kernels/_w4a8_traced.py`` and removed after), launched without plans at M = 16 after an L2 flush; prints, per
-phase, percentiles over the programs of the time since the first program started (µs).
+``kernels/w4a8_gluon.py`` with ``%globaltimer`` stamps at its phase boundaries (``kernel_copy.edited_copy``),
+launched without plans at M = 16 after an L2 flush; prints, per phase, percentiles over the programs of the time
+since the first program started (µs).
 
     python eval/probes/trace_w4a8_gluon.py [--gemm] [K N ...]   # default: 4096 4096  14336 4096  4096 14336
 
@@ -10,12 +10,11 @@ phase, percentiles over the programs of the time since the first program started
 Stamps: token programs (fused): start, after the flag count; GEMM programs: start, past the flag wait, before the
 last chunk's dots (x̂ of a one-chunk run just requested), after them, after the split-K ticket, at the end."""
 
-import atexit
-import importlib
 import os
 import sys
 
 import torch
+from kernel_copy import edited_copy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "eval"))
@@ -63,19 +62,6 @@ EDITS = [  # (anchor, replacement): every anchor must be found once
 GEMM_STAMPS = ("start", "past flag", "last chunk", "dots done", "ticket", "end")
 
 
-def traced_module():
-    src = open(os.path.join(ROOT, "kernels", "w4a8_gluon.py")).read()
-    for anchor, new in EDITS:
-        if src.count(anchor) != 1:
-            raise SystemExit(f"anchor not found once in w4a8_gluon.py (update the probe): {anchor!r}")
-        src = src.replace(anchor, new)
-    path = os.path.join(ROOT, "kernels", "_w4a8_traced.py")
-    with open(path, "w") as f:
-        f.write(src)
-    atexit.register(os.remove, path)
-    return importlib.import_module("quantpatch.kernels._w4a8_traced")
-
-
 def percentiles(v: list[float]) -> str:
     v = sorted(v)
     return "/".join(f"{v[min(len(v) - 1, int(q * len(v)))]:.2f}" for q in (0, 0.1, 0.5, 0.9, 1.0))
@@ -84,7 +70,7 @@ def percentiles(v: list[float]) -> str:
 def main() -> None:
     from bench_linear import Layer
 
-    tm = traced_module()
+    tm = edited_copy("w4a8_gluon", EDITS)
     from quantpatch.kernels.w4a8_triton import quantize_activation_fp8
 
     gemm_alone = sys.argv[1:2] == ["--gemm"]

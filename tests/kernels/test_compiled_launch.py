@@ -1,5 +1,6 @@
 """The key of a compiled-kernel launch plan (``kernels/compiled_launch.py``): what Triton specializes on."""
 
+import pytest
 import torch
 
 from quantpatch.kernels.compiled_launch import specialization
@@ -27,3 +28,56 @@ def test_host_arithmetic_matches_triton_helpers():
             assert cdiv(a, b) == triton.cdiv(a, b)
         assert next_pow2(a) == triton.next_power_of_2(a)
     assert cdiv(0, 16) == 0 and next_pow2(0) == 1  # (an empty count still gets a 1-wide tile)
+
+
+class _RecordingKernel:
+    """Stands in for a ``JITFunction``: ``kernel[grid](...)`` records the call and returns a new "compiled kernel"."""
+
+    __name__ = "recording"
+    arg_names = ["X_ptr", "n", "BLOCK", "FLAG"]
+
+    def __init__(self):
+        self.runs = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.runs.append((grid, args, kwargs))
+            return object()
+
+        return run
+
+
+def test_launch_plans_compile_once_a_key_then_relaunch(monkeypatch):
+    from quantpatch.kernels import compiled_launch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    relaunched = []
+    monkeypatch.setattr(compiled_launch, "relaunch", lambda k, grid, stream, args: relaunched.append((k, grid, args)))
+    monkeypatch.setattr(compiled_launch, "current_stream", lambda device: 7)
+    kernel = _RecordingKernel()
+    plans = compiled_launch.LaunchPlans(kernel)
+    x = torch.zeros(64)
+    plans((2,), (x, 32), dict(BLOCK=16, FLAG=True), num_warps=4)
+    plans((3, 2), (x, 48), dict(BLOCK=16, FLAG=True), num_warps=4)  # 48 and 32: same class, the same plan
+    assert len(plans) == 1 and len(kernel.runs) == 1
+    assert kernel.runs[0] == ((2,), (x, 32), dict(BLOCK=16, FLAG=True, num_warps=4))
+    (compiled, grid, args), = relaunched
+    assert grid == (3, 2, 1) and args == (x, 48, 16, True)  # every parameter in signature order
+    plans((2,), (x, 1), dict(BLOCK=16, FLAG=True), num_warps=4)  # an int 1 is compiled in: another plan
+    plans((2,), (x, 32), dict(BLOCK=32, FLAG=True), num_warps=4)
+    plans((2,), (x, 32), dict(BLOCK=16, FLAG=True), num_warps=8)
+    plans((2,), (x[1:], 32), dict(BLOCK=16, FLAG=True), num_warps=4)  # not 16-byte aligned
+    assert len(plans) == 5 and len(kernel.runs) == 5 and len(relaunched) == 1
+    with pytest.raises(ValueError, match="not the parameters after"):
+        plans((2,), (x, 32), dict(FLAG=True, BLOCK=16), num_warps=2)
+
+
+def test_launch_plans_keep_nothing_under_the_interpreter(monkeypatch):
+    from quantpatch.kernels import compiled_launch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernel = _RecordingKernel()
+    plans = compiled_launch.LaunchPlans(kernel)
+    for _ in range(2):
+        plans((1,), (torch.zeros(4), 3), dict(BLOCK=16, FLAG=False))
+    assert len(kernel.runs) == 2 and len(plans) == 0
