@@ -121,6 +121,36 @@ def test_gpu_public_api_routes_long_calls(causal, nk):
     assert rel_l1(gluon.float(), triton_o.float()) <= OUT_TOL
 
 
+
+@pytest.mark.gpu
+@needs_cuda
+@hopper
+@pytest.mark.parametrize("nk", [1000, 4096])  # the Triton kernel's route, the Gluon kernel's
+def test_gpu_later_calls_of_a_shape_relaunch_the_compiled_kernels(nk):
+    """A shape's first call goes through ``JITFunction.run``; later ones go to the compiled kernels' launchers
+    (``compiled_launch.LaunchPlans``, no new plan) and give the bits a first call gives, for new inputs too."""
+    import quantpatch as qp
+    from quantpatch.kernels import attn_gluon, attn_qk_int8_pv_fp8_triton, qk_quant_triton
+
+    plans = (qk_quant_triton._STATS_LAUNCH, qk_quant_triton._DELTA_S_LAUNCH, qk_quant_triton._KV_LAUNCH,
+             attn_qk_int8_pv_fp8_triton._ATTN_LAUNCH, attn_gluon._LAUNCH)
+    a, b = (tuple(t.to("cuda", torch.bfloat16) for t in attention_inputs(
+        "outliers", batch=1, heads=4, kv_heads=2, seq_q=300, seq_k=nk, head_dim=128, seed=seed)) for seed in (5, 6))
+
+    def call(x):
+        return qp.attention(*x, mode="sage2-8b", strict=True)
+
+    for p in plans:
+        p.clear()
+    b_first = call(b)
+    for p in plans:
+        p.clear()
+    a_first = call(a)
+    counts = [len(p) for p in plans]
+    assert counts == [1, 1, 1, int(nk < 4096), int(nk >= 4096)]
+    assert torch.equal(call(b), b_first) and torch.equal(call(a), a_first)
+    assert [len(p) for p in plans] == counts
+
 def test_quantization_writes_v_in_the_gluon_key_order_when_asked():
     """``v_key_order=True``: ``v_hat_t`` bit for bit the plain one through :func:`permute_v_keys` (and back), every
     other output unchanged (interpreter in CI, compiled on a GPU)."""
