@@ -1,14 +1,12 @@
 """Host time per call of W4A8Linear (M <= 16), the layer function as wired, the Triton decode layer and F.linear.
 
-``python eval/probes/host_time_w4a8.py`` (CUDA): per shape and M, each callable 10
-times to warm up, then 200 calls while a ``torch.cuda._sleep`` keeps the GPU busy (host time: the GPU never
-waits for the host), then 200 calls timed to a synchronize (wall; weights hot in L2, no flush).
+``python eval/probes/host_time_w4a8.py`` (CUDA): per shape and M, :func:`host_time.host_and_wall` of each callable
+(weights hot in L2, no flush).
 """
-
-import time
 
 import torch
 import torch.nn.functional as F
+from host_time import host_and_wall
 
 from quantpatch.kernels import w4a8_triton as wt
 from quantpatch.w4a8_linear import W4A8Linear
@@ -28,21 +26,6 @@ for k, n in ((4096, 4096), (4096, 14336), (14336, 4096)):
             triton_layer=lambda: wt.w4a8_linear_2d(x, mod.qweight, mod.scales, mod.pts_exp, mod.bias, config=cfg),
             bf16=lambda: F.linear(x, w),
         )
-        row = []
-        for name, fn in fns.items():
-            for _ in range(10):
-                fn()
-            torch.cuda.synchronize()
-            torch.cuda._sleep(40_000_000)
-            t0 = time.perf_counter()
-            for _ in range(200):
-                fn()
-            host = (time.perf_counter() - t0) / 200 * 1e6
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(200):
-                fn()
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - t0) / 200 * 1e6
-            row.append(f"{name} {host:.1f}/{wall:.1f}")
+        row = [f"{name} {host:.1f}/{wall:.1f}" for name, (host, wall) in
+               ((name, host_and_wall(fn)) for name, fn in fns.items())]
         print(f"K={k} N={n} M={m}: " + "  ".join(row), flush=True)
