@@ -1,7 +1,7 @@
 """Launching a kernel Triton has already compiled without ``JITFunction.run``'s per-call work (argument binding,
-specialization, cache lookup: ~80 µs of host time a call for a Gluon kernel on the H200's host, 40–60 µs for the
-prefill pass's Triton kernels), for kernels whose GPU time is a few µs to a few hundred µs: decode steps, and
-prefill at 1k tokens, where four launches of host work outlast the GPU's.
+specialization, cache lookup: ~80 µs of host time a call for a Gluon kernel on the H200's host, 25–60 µs a launch
+for the prefill path's kernels, depending on the host), for kernels whose GPU time is a few µs to a few hundred
+µs: decode steps, and prefill at 1k tokens, where four launches of host work outlast the GPU's.
 
 A caller keeps the ``CompiledKernel`` that a first ``kernel[grid](...)`` returned, keyed by everything Triton
 specializes it on (:func:`specialization` of the runtime arguments, the constexprs and the launch options), and
