@@ -80,11 +80,11 @@ class LaunchPlans:
             self.kernel[grid](*args, **constexprs, **options)
             return
         device = args[0].device.index
-        key = (device, tuple(constexprs.values()), tuple(options.items()), specialization(args))
+        consts = tuple(constexprs.values())
+        key = (device, consts, tuple(options.items()), specialization(args))
         compiled = self._plans.get(key)
         if compiled is not None:
-            relaunch(compiled, tuple(grid) + (1,) * (3 - len(grid)), current_stream(device),
-                     args + tuple(constexprs.values()))
+            relaunch(compiled, tuple(grid) + (1,) * (3 - len(grid)), current_stream(device), args + consts)
             return
         if list(constexprs) != self.kernel.arg_names[len(args):]:
             raise ValueError(f"{self.kernel.__name__}: constexprs {list(constexprs)} are not the parameters after the "

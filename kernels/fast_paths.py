@@ -32,6 +32,8 @@ import triton
 from quantpatch.config import AttentionConfig
 from quantpatch.dispatch import AttentionCall, Implementation, cuda_unsupported, register
 
+from . import attn_qk_int8_pv_fp8_triton as _attn_triton
+from . import qk_quant_triton
 from .attn_qk_int8_pv_fp8_triton import SAS_THRESHOLD, attn_qk_int8_pv_fp8
 from .gluon_gate import GluonGate
 from .qk_quant_triton import GRAN_IDS, QuantizedQKV, quantize_qkv
@@ -290,5 +292,8 @@ except ImportError as _err:
     _attn_gluon, _GLUON_IMPORT_ERROR = None, str(_err)
 ATTENTION_GLUON = GluonGate("sage2 attention (head_dim 128)", "the Triton attention kernel",
                             _GLUON_IMPORT_ERROR)
+# the launch plans of the prefill path: quantization (3 launches), then the Triton or the Gluon attention kernel
+PREFILL_PLANS = (qk_quant_triton._STATS_LAUNCH, qk_quant_triton._DELTA_S_LAUNCH, qk_quant_triton._KV_LAUNCH,
+                 _attn_triton._ATTN_LAUNCH) + (() if _attn_gluon is None else (_attn_gluon._LAUNCH,))
 
 __all__ = ["IMPLEMENTATION", "call_unsupported", "config_unsupported", "quantized_attention"]

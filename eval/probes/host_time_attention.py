@@ -12,10 +12,7 @@ from host_time import host_and_wall
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import quantpatch as qp
-from quantpatch.kernels import attn_gluon, attn_qk_int8_pv_fp8_triton, fast_paths, qk_quant_triton
-
-PLANS = (qk_quant_triton._STATS_LAUNCH, qk_quant_triton._DELTA_S_LAUNCH, qk_quant_triton._KV_LAUNCH,
-         attn_qk_int8_pv_fp8_triton._ATTN_LAUNCH, attn_gluon._LAUNCH)
+from quantpatch.kernels import fast_paths, qk_quant_triton
 
 
 def main() -> None:
@@ -28,7 +25,7 @@ def main() -> None:
             return fn
 
         def unplanned():
-            for plans in PLANS:
+            for plans in fast_paths.PREFILL_PLANS:
                 plans.clear()
             fn()
 

@@ -130,10 +130,7 @@ def test_gpu_later_calls_of_a_shape_relaunch_the_compiled_kernels(nk):
     """A shape's first call goes through ``JITFunction.run``; later ones go to the compiled kernels' launchers
     (``compiled_launch.LaunchPlans``, no new plan) and give the bits a first call gives, for new inputs too."""
     import quantpatch as qp
-    from quantpatch.kernels import attn_gluon, attn_qk_int8_pv_fp8_triton, qk_quant_triton
-
-    plans = (qk_quant_triton._STATS_LAUNCH, qk_quant_triton._DELTA_S_LAUNCH, qk_quant_triton._KV_LAUNCH,
-             attn_qk_int8_pv_fp8_triton._ATTN_LAUNCH, attn_gluon._LAUNCH)
+    from quantpatch.kernels.fast_paths import PREFILL_PLANS as plans
     a, b = (tuple(t.to("cuda", torch.bfloat16) for t in attention_inputs(
         "outliers", batch=1, heads=4, kv_heads=2, seq_q=300, seq_k=nk, head_dim=128, seed=seed)) for seed in (5, 6))
 
