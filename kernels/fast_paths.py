@@ -42,10 +42,10 @@ from .quant_attention_ref import smooth_k_lse_shift
 HEAD_DIMS = (64, 128)
 KEY_BLOCK = 128  # the attention kernel's key block; K/V are padded to a multiple of it
 FP8_OPERANDS = ("fp8_e4m3",)
-# the Gluon sage2 kernel from this many keys on, non-causal; below, the Triton kernel is as fast (2k: 1.01×), and
-# causal calls stay on the Triton kernel, faster at every length measured since both compute scores in raw units
-# (H200: Gluon 0.91 / 0.95 / 0.96 / 0.98× at 4k / 8k / 16k / 32k; eval/results/bench_attention/NOTES.md, session 15)
-GLUON_MIN_KEYS = 4096
+# the Gluon sage2 kernel from this many keys on, non-causal (H200, session 18, kernel only: 1.04× the Triton kernel at
+# 2k, 0.94× at 1k); causal calls stay on the Triton kernel, faster at every length measured (Gluon 0.83 / 0.89 /
+# 0.94 / 0.98× at 2k / 4k / 8k / 16k; eval/results/bench_attention/NOTES.md, sessions 15 and 18)
+GLUON_MIN_KEYS = 2048
 
 
 # --------------------------------------------------------------------------- config mapping

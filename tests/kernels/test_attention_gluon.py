@@ -69,8 +69,8 @@ def test_gpu_gluon_matches_the_triton_kernel(nq, nk, smooth_q, stages, causal):
 
 @pytest.mark.parametrize(
     "mode, head_dim, nk, is_causal, takes",
-    [("sage2-8b", 128, 4096, False, True), ("sage2-4b", 128, 8192, False, True),
-     ("sage2-8b", 128, 4095, False, False), ("sage2-8b", 128, 4096, True, False),
+    [("sage2-8b", 128, 2048, False, True), ("sage2-4b", 128, 8192, False, True),
+     ("sage2-8b", 128, 2047, False, False), ("sage2-8b", 128, 4096, True, False),
      ("sage2-8b", 128, 32768, True, False),
      ("sage2-8b", 64, 4096, False, False), ("int8-flash", 128, 4096, False, False),
      ("fireq", 128, 4096, False, False)],
@@ -130,6 +130,7 @@ def test_gpu_later_calls_of_a_shape_relaunch_the_compiled_kernels(nk):
     """A shape's first call goes through ``JITFunction.run``; later ones go to the compiled kernels' launchers
     (``compiled_launch.LaunchPlans``, no new plan) and give the bits a first call gives, for new inputs too."""
     import quantpatch as qp
+    from quantpatch.kernels.fast_paths import GLUON_MIN_KEYS
     from quantpatch.kernels.fast_paths import PREFILL_PLANS as plans
     a, b = (tuple(t.to("cuda", torch.bfloat16) for t in attention_inputs(
         "outliers", batch=1, heads=4, kv_heads=2, seq_q=300, seq_k=nk, head_dim=128, seed=seed)) for seed in (5, 6))
@@ -144,7 +145,7 @@ def test_gpu_later_calls_of_a_shape_relaunch_the_compiled_kernels(nk):
         p.clear()
     a_first = call(a)
     counts = [len(p) for p in plans]
-    assert counts == [1, 1, 1, int(nk < 4096), int(nk >= 4096)]
+    assert counts == [1, 1, 1, int(nk < GLUON_MIN_KEYS), int(nk >= GLUON_MIN_KEYS)]
     assert torch.equal(call(b), b_first) and torch.equal(call(a), a_first)
     assert [len(p) for p in plans] == counts
 
