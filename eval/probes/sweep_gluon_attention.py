@@ -22,6 +22,15 @@ def ms(fn, rep):
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
 
 
+def operands(cfg, n: int):
+    """``q, k, v`` (4, 32, n, 128) bf16 (seeded by n), their sage2 operands ``x`` and ``x``'s Vᵀ in the Gluon
+    kernel's key order."""
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    q, k, v = (torch.randn(4, 32, n, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    x = QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **fast_paths.quant_options(cfg)))
+    return q, k, v, x, permute_v_keys(x.v_hat_t)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -36,11 +45,8 @@ def main():
     kb = fast_paths.kernel_blocks(cfg, 128)
     rows = []
     for n in args.seq_lens:
-        gen = torch.Generator(device="cuda").manual_seed(n)
-        q, k, v = (torch.randn(4, 32, n, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+        q, k, v, x, vt = operands(cfg, n)
         flops = 4 * 4 * 32 * n * n * 128 / (2 if args.causal else 1)
-        x = QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **fast_paths.quant_options(cfg)))
-        vt = permute_v_keys(x.v_hat_t)
         times = {}
         for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
             with sdpa_kernel(backend):
