@@ -384,7 +384,7 @@ def attn_sage2_gluon(
     out_dtype: torch.dtype = torch.bfloat16,
     block_q: int = 128,
     block_n: int = 128,
-    stages: int = 4,
+    stages: int = 3,
     v_keys_permuted: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sage2 attention (causal: bottom-right aligned, as the reference) over
@@ -392,6 +392,8 @@ def attn_sage2_gluon(
     (``qk_granularity="thread"``, ``block_q / warps`` a multiple of 16, ``block_k`` of 64: :data:`K_SPAN`;
     ``fast_paths.gluon_takes`` checks it), which the kernel reads as one δQ·δK a lane.
 
+    ``stages``: depth of the K/Vᵀ ring; 3 ran 1.02 / 1.04 / 1.05× as fast as 4 at 8k / 16k / 32k keys and as fast at
+    2k–4k (H200, session 18; 2: 0.72–0.75×, 5: slower than 4).
     ``v_keys_permuted``: ``x.v_hat_t`` with its keys in :func:`wgmma_key_order` if the caller has it
     (``quantize_qkv(..., v_key_order=True)``); else :func:`permute_v_keys` makes it here (an extra pass).
     Returns ``o (B, H, Nq, D)`` in ``out_dtype`` and ``lse (B, H, Nq)`` (empty unless asked), as

@@ -53,7 +53,7 @@ def _operands(nq, nk, heads, kv_heads, smooth_q=True, seed=0):
 @hopper
 @pytest.mark.parametrize("nq, nk", [(1, 1), (113, 239), (1000, 1000), (239, 4096), (4096, 4096)])
 @pytest.mark.parametrize("smooth_q", [True, False])
-@pytest.mark.parametrize("stages, causal", [(2, False), (3, False), (4, False), (2, True), (4, True)])
+@pytest.mark.parametrize("stages, causal", [(2, False), (3, False), (4, False), (2, True), (3, True), (4, True)])
 def test_gpu_gluon_matches_the_triton_kernel(nq, nk, smooth_q, stages, causal):
     from quantpatch.kernels.attn_gluon import attn_sage2_gluon
     from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
