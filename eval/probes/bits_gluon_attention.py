@@ -1,0 +1,44 @@
+"""Whether two builds of the Gluon sage2 kernel give the same bits (needs an sm_90 GPU): outputs and LSE over five
+shapes (odd lengths, GQA, causal, B=2, H=32, D=128, bf16, sage2-8b operands). A build is ``PATH.py`` (a copy of
+``kernels/attn_gluon.py`` with its imports made absolute) or a module name, with ``:STAGES`` to set the ring depth:
+
+    python eval/probes/bits_gluon_attention.py COPY.py quantpatch.kernels.attn_gluon      # a change of the kernel
+    python eval/probes/bits_gluon_attention.py quantpatch.kernels.attn_gluon:3 quantpatch.kernels.attn_gluon:4
+"""
+
+import sys
+
+import torch
+from ab_gluon_attention import load
+
+import quantpatch as qp
+from quantpatch.kernels import fast_paths
+from quantpatch.kernels.qk_quant_triton import QuantizedQKV
+
+SHAPES = ((1000, 1000, 32, False), (239, 4096, 8, False), (4096, 4096, 32, True), (113, 3000, 8, True),
+          (8192, 8192, 32, False))  # (Nq, Nk, kv heads, causal)
+
+
+def build(spec: str, index: int):
+    """``(attn_sage2_gluon, permute_v_keys, extra keyword arguments)`` of a build spec."""
+    path, _, stages = spec.partition(":")
+    module = load(f"bits_build_{index}", path)
+    return module.attn_sage2_gluon, module.permute_v_keys, dict(stages=int(stages)) if stages else {}
+
+
+def main() -> None:
+    builds = [build(spec, i) for i, spec in enumerate(sys.argv[1:3])]
+    cfg = qp.get_mode("sage2-8b").attention
+    for nq, nk, hkv, causal in SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(nq + nk)
+        q = torch.randn(2, 32, nq, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(2, hkv, nk, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        x = QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **fast_paths.quant_options(cfg)))
+        (o1, l1), (o2, l2) = (fn(x, nk, is_causal=causal, return_lse=True, block_q=cfg.block_q,
+                                 v_keys_permuted=perm(x.v_hat_t), **kw) for fn, perm, kw in builds)
+        print(f"Nq={nq} Nk={nk} Hkv={hkv} causal={causal}: out equal {torch.equal(o1, o2)}, "
+              f"lse equal {torch.equal(l1, l2)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
