@@ -1,5 +1,6 @@
 """A/B of copies of the Gluon sage2 attention module (``kernels/attn_gluon.py`` edited), kernel only, on the same
-operands, beside SDPA cuDNN in the same process (needs an sm_90 GPU; B=4, H=32, D=128, bf16, non-causal):
+operands, beside SDPA cuDNN in the same process (needs an sm_90 GPU; B=4, H=32, D=128, bf16; non-causal unless
+``--causal``):
 
     python eval/probes/ab_gluon_attention.py --out DIR base=COPY.py new=quantpatch.kernels.attn_gluon \
         [--seq-lens 4096 8192 16384]
@@ -41,6 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--causal", action="store_true", help="causal (bottom-right aligned); TFLOPS halved")
     ap.add_argument("variants", nargs="+", help="NAME=PATH, the baseline first")
     args = ap.parse_args()
     modules = {name: load(name, path) for name, path in (v.split("=", 1) for v in args.variants)}
@@ -50,21 +52,23 @@ def main() -> None:
     rows = []
     for n in args.seq_lens:
         q, k, v, x, vt = operands(cfg, n)
-        flops = 4 * 4 * 32 * n * n * 128
-        ref, _ = attn_qk_int8_pv_fp8(x, n, block_q=cfg.block_q, **blocks)
+        flops = 4 * 4 * 32 * n * n * 128 / (2 if args.causal else 1)
+        call = dict(is_causal=args.causal, block_q=cfg.block_q)
+        ref, _ = attn_qk_int8_pv_fp8(x, n, **call, **blocks)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            t_cudnn = ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), 100)
+            t_cudnn = ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=args.causal),
+                         100)
         best, err = {}, {}
         for order in (list(modules), list(reversed(modules))):
             for name in order:
                 fn = modules[name].attn_sage2_gluon
-                out, _ = fn(x, n, block_q=cfg.block_q, v_keys_permuted=vt)
+                out, _ = fn(x, n, **call, v_keys_permuted=vt)
                 err[name] = rel_l1(out.float(), ref.float())
                 best[name] = min(best.get(name, float("inf")),
-                                 ms(lambda: fn(x, n, block_q=cfg.block_q, v_keys_permuted=vt), 100))
+                                 ms(lambda: fn(x, n, **call, v_keys_permuted=vt), 100))
         for name, t in best.items():
-            row = dict(n=n, impl=name, ms=t, tflops=flops / t * 1e-9, vs_cudnn=t_cudnn / t, vs_base=best[base] / t,
-                       rel_l1_vs_triton=err[name])
+            row = dict(n=n, causal=args.causal, impl=name, ms=t, tflops=flops / t * 1e-9, vs_cudnn=t_cudnn / t,
+                       vs_base=best[base] / t, rel_l1_vs_triton=err[name])
             rows.append(row)
             print(f"N={n:6d} {name:10s} {t:8.3f} ms  x{row['vs_cudnn']:.3f} cuDNN  x{row['vs_base']:.3f} {base}  "
                   f"rel-L1 vs triton {err[name]:.3g}", flush=True)
