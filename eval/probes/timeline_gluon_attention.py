@@ -1,9 +1,10 @@
 """Where a consumer warpgroup's loop iteration goes in the Gluon sage2 kernel (needs an sm_90 GPU): a copy of
 ``kernels/attn_gluon.py`` with ``%clock`` reads at the phase boundaries of ``_section``
-(``kernel_copy.edited_copy``), non-causal, B=4, H=32, D=128, bf16 inputs, sage2-8b operands; prints the SM cycles
-a loop iteration spends in each phase, averaged over programs, per consumer warpgroup.
+(``kernel_copy.edited_copy``), non-causal unless ``--causal``, B=4, H=32, D=128, bf16, sage2-8b operands; prints
+the SM cycles a loop iteration spends in each phase (summed over programs, over their unmasked iterations; causal:
+the masked sections' phases count in the sums), per consumer warpgroup.
 
-    python eval/probes/timeline_gluon_attention.py [N ...]   # default: 2048 8192
+    python eval/probes/timeline_gluon_attention.py [--causal] [N ...]   # default: 2048 8192
 
 Phases (``_section``, block j): ``data`` waits for K_{j+1} and V_j; ``turn`` for the other warpgroup's MMA issue;
 ``qk_wait`` issues Q·K_{j+1} and P̃_j·V_j and waits for Q·K_{j+1}; ``max`` is softmax up to the new row max
@@ -90,18 +91,20 @@ def main() -> None:
 
     tm = edited_copy("attn_gluon", EDITS)
     cfg = qp.get_mode("sage2-8b").attention
-    for n in [int(a) for a in sys.argv[1:]] or [2048, 8192]:
+    causal = "--causal" in sys.argv
+    for n in [int(a) for a in sys.argv[1:] if a != "--causal"] or [2048, 8192]:
         gen = torch.Generator(device="cuda").manual_seed(n)
         q, k, v = (torch.randn(4, 32, n, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
         x = QuantizedQKV(*fast_paths.quantize_qkv(q, k, v, **fast_paths.quant_options(cfg), v_key_order=True))
         tm.CLK = torch.zeros(4 * 32 * -(-n // tm.BLOCK_M) * 2 * 10, dtype=torch.int32, device="cuda")
         for _ in range(3):
-            tm.attn_sage2_gluon(x, n, block_q=cfg.block_q, v_keys_permuted=x.v_hat_t)
+            tm.attn_sage2_gluon(x, n, is_causal=causal, block_q=cfg.block_q, v_keys_permuted=x.v_hat_t)
         torch.cuda.synchronize()
         c = tm.CLK.view(-1, 2, 10).double()
-        per_iter = (c[..., :9] / c[..., 9:].clamp(min=1)).mean(0)  # (warpgroup, phase) cycles an iteration
+        per_iter = c[..., :9].sum(0) / c[..., 9:].sum(0).clamp(min=1)  # (warpgroup, phase) cycles an iteration
         for wg in range(2):
-            print(f"N={n} WG{wg}: " + ", ".join(f"{p} {per_iter[wg, i]:.0f}" for i, p in enumerate(PHASES[:9])))
+            print(f"N={n}{' causal' * causal} WG{wg}: "
+                  + ", ".join(f"{p} {per_iter[wg, i]:.0f}" for i, p in enumerate(PHASES[:9])))
 
 
 if __name__ == "__main__":
