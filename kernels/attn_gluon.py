@@ -4,7 +4,7 @@ Same operands and numerics as ``attn_qk_int8_pv_fp8_triton._attn_fwd_kernel`` fo
 SageAttention2's per-thread Q and K scales, ΔS, P̃ → e4m3 at the static 448 scale, FP8 P̃·V accumulated per key
 block then added to the FP32 accumulator, per-channel V scale, optional V mean), causal (bottom-right aligned) or
 not, any Nq / Nk (tails masked), GQA, optional LSE. The public route (``fast_paths.gluon_takes``) sends only
-non-causal calls here: on causal ones the Triton kernel measured faster (H200, session 15).
+non-causal calls here: on causal ones the Triton kernel measured faster (H200, sessions 15 and 18).
 
 A program takes 128 query rows: two consumer warpgroups of 64 rows share one producer warp, which brings K
 (with ΔS) and Vᵀ blocks by TMA into ``STAGES``-deep rings. Per-thread groups make δQ·δK one value a lane and
