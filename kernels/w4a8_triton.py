@@ -55,7 +55,7 @@ from quantpatch.dispatch import cuda_unsupported
 from quantpatch.fallback import fall_back, note_implementation
 from quantpatch.w4a8_linear import register_w4a8_fast_path
 
-from .compiled_launch import cdiv, interpreting, next_pow2
+from .compiled_launch import cdiv, current_stream, interpreting, next_pow2
 from .gluon_gate import GluonGate
 from .qk_quant_triton import _to_fp8e4m3
 from .w4a8_ref import GROUP_SIZE
@@ -426,7 +426,7 @@ def decode_split(cfg: dict, n: int, groups: int) -> tuple[int, int]:
 def _stream_key(device: torch.device) -> tuple:
     if device.type != "cuda":  # the interpreter
         return (device, 0)
-    return (device, torch._C._cuda_getCurrentRawStream(device.index))
+    return (device, current_stream(device.index))
 
 
 def _scratch(key: tuple, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
