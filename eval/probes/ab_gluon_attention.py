@@ -5,8 +5,9 @@ operands, beside SDPA cuDNN in the same process (needs an sm_90 GPU; B=4, H=32, 
     python eval/probes/ab_gluon_attention.py --out DIR base=COPY.py new=quantpatch.kernels.attn_gluon \
         [--seq-lens 4096 8192 16384]
 
-Each NAME=PATH is a module file (imports of ``quantpatch.kernels`` made absolute) or an importable module name,
-with ``attn_sage2_gluon``; the first is the baseline. Two rounds, the second in reverse order; a variant's time is
+Each NAME=PATH is a copy of ``kernels/attn_gluon.py`` (imported as ``quantpatch.kernels.attn_gluon_NAME_ab`` by
+``kernel_copy.load_kernel_copy``, so its relative imports resolve to the current package) or an importable module
+name, with ``attn_sage2_gluon``; the first is the baseline. Two rounds, the second in reverse order; a variant's time is
 the better of its two medians (``triton.testing.do_bench``). Prints and writes ``DIR/ab.json``: per N and variant
 ms, TFLOPS, × cuDNN, × the baseline, and the output's relative L1 against the Triton kernel's (equal across
 variants with equal numerics). Session 18's variants are diffs in
@@ -15,12 +16,12 @@ variants with equal numerics). Session 18's variants are diffs in
 
 import argparse
 import importlib
-import importlib.util
 import json
-import pathlib
+from pathlib import Path
 
 import torch
-from sweep_gluon_attention import ms, operands
+from kernel_copy import load_kernel_copy
+from sweep_gluon_attention import flops, ms, operands
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import quantpatch as qp
@@ -30,12 +31,10 @@ from quantpatch.metrics import rel_l1
 
 
 def load(name: str, path: str):
+    """Build ``name``'s module: a copy's file path or a module name."""
     if not path.endswith(".py"):
         return importlib.import_module(path)
-    spec = importlib.util.spec_from_file_location(f"ab_variant_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_kernel_copy(Path(path), f"attn_gluon_{name}")
 
 
 def main() -> None:
@@ -52,7 +51,7 @@ def main() -> None:
     rows = []
     for n in args.seq_lens:
         q, k, v, x, vt = operands(cfg, n)
-        flops = 4 * 4 * 32 * n * n * 128 / (2 if args.causal else 1)
+        work = flops(n, args.causal)
         call = dict(is_causal=args.causal, block_q=cfg.block_q)
         ref, _ = attn_qk_int8_pv_fp8(x, n, **call, **blocks)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -67,12 +66,12 @@ def main() -> None:
                 best[name] = min(best.get(name, float("inf")),
                                  ms(lambda: fn(x, n, **call, v_keys_permuted=vt), 100))
         for name, t in best.items():
-            row = dict(n=n, causal=args.causal, impl=name, ms=t, tflops=flops / t * 1e-9, vs_cudnn=t_cudnn / t,
+            row = dict(n=n, causal=args.causal, impl=name, ms=t, tflops=work / t * 1e-9, vs_cudnn=t_cudnn / t,
                        vs_base=best[base] / t, rel_l1_vs_triton=err[name])
             rows.append(row)
             print(f"N={n:6d} {name:10s} {t:8.3f} ms  x{row['vs_cudnn']:.3f} cuDNN  x{row['vs_base']:.3f} {base}  "
                   f"rel-L1 vs triton {err[name]:.3g}", flush=True)
-    out = pathlib.Path(args.out)
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ab.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
 

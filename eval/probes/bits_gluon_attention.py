@@ -1,6 +1,7 @@
 """Whether two builds of the Gluon sage2 kernel give the same bits (needs an sm_90 GPU): outputs and LSE over five
 shapes (odd lengths, GQA, causal, B=2, H=32, D=128, bf16, sage2-8b operands). A build is ``PATH.py`` (a copy of
-``kernels/attn_gluon.py`` with its imports made absolute) or a module name, with ``:STAGES`` to set the ring depth:
+``kernels/attn_gluon.py``, loaded as ``ab_gluon_attention.load`` does) or a module name, with ``:STAGES`` to set
+the ring depth:
 
     python eval/probes/bits_gluon_attention.py COPY.py quantpatch.kernels.attn_gluon      # a change of the kernel
     python eval/probes/bits_gluon_attention.py quantpatch.kernels.attn_gluon:3 quantpatch.kernels.attn_gluon:4

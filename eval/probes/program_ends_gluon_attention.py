@@ -2,7 +2,8 @@
 ``attn_sage2_gluon`` takes ``timer=`` (an int64 tensor of 2 × programs) into which consumer warpgroup 0 of every
 program writes ``%globaltimer`` at its start and after its last tile, e.g. session 18's persistent variant with
 the timer (``eval/results/bench_attention/session18_h200/variants/persistent_timer.diff`` on a copy of
-``kernels/attn_gluon.py`` of 630a621, imports made absolute). B=4, H=32, D=128, bf16, non-causal and causal:
+``kernels/attn_gluon.py`` of 630a621, loaded by ``kernel_copy.load_kernel_copy``: relative imports resolve to
+the current package). B=4, H=32, D=128, bf16, non-causal and causal:
 
     python eval/probes/program_ends_gluon_attention.py VARIANT.py [N ...]   # default 2048 8192
 
@@ -10,10 +11,11 @@ Prints the spread of the starts and the ends (µs from the first start) and the 
 between their own end and the last one, over programs × the last end.
 """
 
-import importlib.util
 import sys
+from pathlib import Path
 
 import torch
+from kernel_copy import load_kernel_copy
 
 import quantpatch as qp
 from quantpatch.kernels import fast_paths
@@ -21,9 +23,7 @@ from quantpatch.kernels.qk_quant_triton import QuantizedQKV
 
 
 def main() -> None:
-    spec = importlib.util.spec_from_file_location("program_ends_variant", sys.argv[1])
-    variant = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(variant)
+    variant = load_kernel_copy(Path(sys.argv[1]), "attn_gluon_program_ends")
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     cfg = qp.get_mode("sage2-8b").attention
     for n in [int(a) for a in sys.argv[2:]] or [2048, 8192]:

@@ -22,6 +22,11 @@ def ms(fn, rep):
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
 
 
+def flops(n: int, causal: bool) -> float:
+    """4·B·H·N²·D of the probes' shape (B=4, H=32, D=128), halved for causal."""
+    return 4 * 4 * 32 * n * n * 128 / (2 if causal else 1)
+
+
 def operands(cfg, n: int):
     """``q, k, v`` (4, 32, n, 128) bf16 (seeded by n), their sage2 operands ``x`` and ``x``'s Vᵀ in the Gluon
     kernel's key order."""
@@ -46,7 +51,7 @@ def main():
     rows = []
     for n in args.seq_lens:
         q, k, v, x, vt = operands(cfg, n)
-        flops = 4 * 4 * 32 * n * n * 128 / (2 if args.causal else 1)
+        work = flops(n, args.causal)
         times = {}
         for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
             with sdpa_kernel(backend):
@@ -62,7 +67,7 @@ def main():
             errs[name] = rel_l1(out.float(), ref.float())
             times[name] = ms(lambda st=st: attn_sage2_gluon(x, n, **causal, stages=st, v_keys_permuted=vt), args.rep)
         for name, t in times.items():
-            row = dict(n=n, causal=args.causal, impl=name, ms=t, tflops=flops / t * 1e-9,
+            row = dict(n=n, causal=args.causal, impl=name, ms=t, tflops=work / t * 1e-9,
                        vs_cudnn=times["sdpa-cudnn"] / t,
                        vs_triton=times["triton"] / t, rel_l1_vs_triton=errs.get(name, ""))
             rows.append(row)
