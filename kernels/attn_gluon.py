@@ -1,16 +1,24 @@
-"""sage2 prefill attention in Gluon (Triton 3.6+, sm_90): FA3's schedule over the Triton kernel's numerics.
+"""INT8 Q·Kᵀ prefill attention in Gluon (Triton 3.6+, sm_90): FA3's schedule over the Triton kernel's numerics.
 
 Same operands and numerics as ``attn_qk_int8_pv_fp8_triton._attn_fwd_kernel`` for ``sage2`` (INT8 Q·Kᵀ with
 SageAttention2's per-thread Q and K scales, ΔS, P̃ → e4m3 at the static 448 scale, FP8 P̃·V accumulated per key
-block then added to the FP32 accumulator, per-channel V scale, optional V mean), causal (bottom-right aligned) or
-not, any Nq / Nk (tails masked), GQA, optional LSE. The public route (``fast_paths.gluon_takes``) sends only
-non-causal calls here: on causal ones the Triton kernel measured faster (H200, sessions 15 and 18).
+block then added to the FP32 accumulator, per-channel V scale, optional V mean) and ``int8_flash`` (per-token Q
+and K scales, P̂ = rne(127 P̃), INT8 P̂·V with an int32 accumulator per block, one V scale, ℓ from P̂), causal
+(bottom-right aligned, Nk - Nq a multiple of 128) or not, any Nq / Nk (tails masked), GQA, optional LSE. The
+public route is ``fast_paths.gluon_takes``.
 
 A program takes 128 query rows: two consumer warpgroups of 64 rows share one producer warp, which brings K
-(with ΔS) and Vᵀ blocks by TMA into ``STAGES``-deep rings. Per-thread groups make δQ·δK one value a lane and
-64-key span, so S costs one multiply-add an element (with ΔS); each lane loads its δK two blocks ahead. Scores stay
-in raw units (log₂e/√d is applied in the exp2's own multiply-add) and ΔS keeps its row constant q̄·K̄, which softmax
-does not see (only the LSE removes it). Each consumer runs (block j)::
+(with ΔS, or int8-flash's per-token δK) and Vᵀ blocks by TMA into ``STAGES``-deep rings. Per-thread groups make
+δQ·δK one value a lane and 64-key span, so S costs one multiply-add an element (with ΔS); each lane loads its δK
+two blocks ahead. Scores stay in raw units (log₂e/√d is applied in the exp2's own multiply-add) and ΔS keeps its
+row constant q̄·K̄, which softmax does not see (only the LSE removes it).
+
+A program takes its key blocks last first: the first is the only one with keys a row must not see (the tail, or,
+causal, the diagonal, which is one block because Nk - Nq is a multiple of 128), so it alone is masked and the loop
+holds no masked copy of a section. With a masked copy after the loop (key blocks in ascending order), ptxas compiled
+the causal loop with spills and the causal kernel ran 0.84–0.98× the Triton kernel; taken this way it runs
+1.09 / 1.14 / 1.17× at 4k / 8k / 16k keys, non-causal speed unchanged (H200, session 19). Each consumer runs
+(block j)::
 
     [its turn]  issue Q·K_{j+1}, issue P̃_j·V_j        (async wgmma; then the other warpgroup's turn)
                 wait(1)  -> Q·K_{j+1} done               (P̃_j·V_j still runs)
@@ -44,6 +52,8 @@ from .gluon_compat import cta_barrier, tma_load
 from .qk_quant_triton import QuantizedQKV
 
 LOG2E = 1.4426950408889634
+MAGIC_F = gl.constexpr(12582912.0)  # 1.5·2²³: x + MAGIC_F puts rne(x) in the low mantissa bits for |x| < 2²²
+MAGIC_I = gl.constexpr(0x4B400000)  # its bit pattern
 WG_ROWS = gl.constexpr(64)  # query rows of a consumer warpgroup (wgmma M)
 BLOCK_M = 128  # query rows of a program: two consumer warpgroups
 # SageAttention2's per-thread groups (App. A.6) as this kernel reads them: rows 16w + i and 16w + 8 + i share δQ
@@ -55,21 +65,43 @@ PRODUCER_REGS = gl.constexpr(24)
 
 
 @gluon.jit
-def _kv_producer(k_desc, ds_desc, vt_desc, k_s, ds_s, v_s, k_ready, v_ready, kv_empty,
+def _kv_producer(k_desc, ds_desc, ks_desc, vt_desc, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty,
                  k_row0, ds_row0, v_row0, n_blocks, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 STAGES: gl.constexpr, SMOOTH_Q: gl.constexpr):
-    """Producer warp: K block t (int8 tile, ΔS) and Vᵀ block t into stage ``t % STAGES`` by TMA once both consumers
-    have released the stage (after their P̃·V of block t - STAGES)."""
-    K_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM + BLOCK_N * 4 * SMOOTH_Q
+                 STAGES: gl.constexpr, SMOOTH_Q: gl.constexpr, TOKEN_SCALES: gl.constexpr):
+    """Producer warp: the t-th K block (int8 tile, ΔS, per-token δK) and Vᵀ block (:func:`_key_block`) into stage
+    ``t % STAGES`` by TMA once both consumers have released the stage (after their P̂·V of block t - STAGES)."""
+    K_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM + BLOCK_N * 4 * (SMOOTH_Q + TOKEN_SCALES)
     for t in range(n_blocks):
         st = t % STAGES
+        key0 = _key_block(t, n_blocks) * BLOCK_N
         mbarrier.wait(kv_empty.index(st), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
         mbarrier.expect(k_ready.index(st), K_BYTES)
-        tma_load(k_desc, [k_row0 + t * BLOCK_N, 0], k_ready.index(st), k_s.index(st))
+        tma_load(k_desc, [k_row0 + key0, 0], k_ready.index(st), k_s.index(st))
         if SMOOTH_Q:
-            tma_load(ds_desc, [ds_row0 + t * BLOCK_N], k_ready.index(st), ds_s.index(st))
+            tma_load(ds_desc, [ds_row0 + key0], k_ready.index(st), ds_s.index(st))
+        if TOKEN_SCALES:
+            tma_load(ks_desc, [k_row0 + key0], k_ready.index(st), ks_s.index(st))
         mbarrier.expect(v_ready.index(st), BLOCK_N * HEAD_DIM)
-        tma_load(vt_desc, [v_row0, t * BLOCK_N], v_ready.index(st), v_s.index(st))
+        tma_load(vt_desc, [v_row0, key0], v_ready.index(st), v_s.index(st))
+
+
+@gluon.jit
+def _key_block(t, n_blocks):
+    """The key block a program takes t-th: descending, from the last one it needs (the one with the tail keys, or,
+    causal, the diagonal), the only one masked: the loop holds no masked copy of a section."""
+    return n_blocks - 1 - t
+
+
+@triton.constexpr_function
+def _log2_p_max(pv_int8):
+    """log₂ of P̂'s static scale: 127 (INT8 P̂) or 448 (e4m3)."""
+    return math.log2(127.0 if pv_int8 else 448.0)
+
+
+@triton.constexpr_function
+def _int32_wrapped(x):
+    """``x`` modulo 2³² as a signed 32-bit value (what int32 arithmetic that wraps leaves of it)."""
+    return (x + 2**31) % 2**32 - 2**31
 
 
 @triton.constexpr_function
@@ -93,43 +125,57 @@ def _lane_k_scale(KS_ptr, key0, lane7: gl.constexpr, BLOCK_N: gl.constexpr, vali
 
 
 @gluon.jit
-def _softmax_block(s_int, scale7, ds_smem, qk_scale, j, NK, m_i, l_i, last_key, max_done,
-                   SIGNAL_MAX: gl.constexpr, BLOCK_N: gl.constexpr, SMOOTH_Q: gl.constexpr, MASKED: gl.constexpr,
-                   col_s: gl.constexpr, row_s: gl.constexpr, p_op: gl.constexpr):
-    """Online softmax of key block ``j``: S = (Q̂·K̂ᵀ) δQ δK (+ ΔS_raw) → P̃ = 2^((S − m)·qk_scale) as e4m3 at 448.
+def _softmax_block(s_int, scale7, ds_smem, ks_smem, qk_scale, key0, m_i, l_i, last_key, max_done,
+                   SIGNAL_MAX: gl.constexpr, BLOCK_N: gl.constexpr, SMOOTH_Q: gl.constexpr, TOKEN_SCALES: gl.constexpr,
+                   PV_INT8: gl.constexpr, MASKED: gl.constexpr, col_s: gl.constexpr, row_s: gl.constexpr,
+                   p_op: gl.constexpr):
+    """Online softmax of the key block from ``key0`` on: S = (Q̂·K̂ᵀ) δQ δK (+ ΔS_raw) → P̃ = 2^((S − m)·qk_scale),
+    P̂ = e4m3(448 P̃) (sage2) or rne(127 P̃) (``PV_INT8``, int8-flash).
 
-    ``s_int (64, BLOCK_N)`` the int32 Q̂·K̂ᵀ (exact in fp32: |Q̂·K̂ᵀ| < 2²⁴); ``scale7`` δQ δK per lane
-    (:func:`_lane_scale_shape`), one multiply-add an element with ΔS_raw = q̄·K_j. S, ``m_i`` and the returned max
-    are raw scores: ΔS_raw's row constant q̄·K̄ (the reference's ΔS is q̄·(K_j − K̄)) shifts a row's scores and
-    its max alike, so P̃ and α are the reference's up to fp32 rounding; ``qk_scale`` = log₂e/√d enters through
-    the exp2's multiply-add. ``MASKED``: keys past ``last_key (64,)`` of each row are −inf (causal).
-    ``SIGNAL_MAX``: arrive on the mbarrier ``max_done`` once the row max is known. Returns
-    ``p_hat`` (FP8, the A operand of P̃·V), the rescale ``alpha (64,)`` of what came before, and the new running
-    max and sum.
+    ``s_int (64, BLOCK_N)`` the int32 Q̂·K̂ᵀ (exact in fp32: |Q̂·K̂ᵀ| < 2²⁴). Per-thread groups: ``scale7`` δQ δK per
+    lane (:func:`_lane_scale_shape`), one multiply-add an element with ΔS_raw = q̄·K_j, and ``qk_scale`` =
+    log₂e/√d. ``TOKEN_SCALES``: S = (Q̂·K̂ᵀ) δK with δK ``(BLOCK_N,)`` from ``ks_smem``, and δQ enters with
+    ``qk_scale`` = δQ log₂e/√d ``(64,)`` a row. S, ``m_i`` and the returned max are raw scores (no ``qk_scale``,
+    which enters through the exp2's multiply-add): ΔS_raw's row constant q̄·K̄ (the reference's ΔS is q̄·(K_j − K̄))
+    shifts a row's scores and its max alike, so P̃ and α are the reference's up to fp32 rounding.
+    ``MASKED``: keys past ``last_key (64,)`` of each row are −inf (the tail, causal). ``SIGNAL_MAX``: arrive on the
+    mbarrier ``max_done`` once the row max is known. Returns ``p_hat`` (the A operand of P̃·V), the rescale
+    ``alpha (64,)`` of what came before, and the new running max and sum ℓ (in units of P_MAX; with ``PV_INT8``
+    ℓ sums P̂, INT-FlashAttention's ℓ from the quantized P).
     """
-    LOG2_PMAX: gl.constexpr = 8.807354922057604  # log2(448)
+    LOG2_PMAX: gl.constexpr = _log2_p_max(PV_INT8)
     s_mma: gl.constexpr = s_int.type.layout
-    s7 = gl.reshape(s_int.to(gl.float32), _lane_scale_shape(BLOCK_N)) * scale7
-    s = gl.convert_layout(gl.reshape(s7, [s_int.shape[0], BLOCK_N]), s_mma)  # same registers: no data movement
-    keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-    if SMOOTH_Q:  # ΔS is −inf at the pad keys: no key mask
-        col_term = ds_smem.load(col_s)
+    if TOKEN_SCALES:
+        s = s_int.to(gl.float32) * ks_smem.load(col_s)[None, :]
+        row_scale = qk_scale[:, None]
     else:
-        col_term = gl.where(keys < NK, 0.0, float("-inf"))
-    s = s + col_term[None, :]
+        s7 = gl.reshape(s_int.to(gl.float32), _lane_scale_shape(BLOCK_N)) * scale7
+        s = gl.convert_layout(gl.reshape(s7, [s_int.shape[0], BLOCK_N]), s_mma)  # same registers: no data movement
+        row_scale = qk_scale
+    if SMOOTH_Q:
+        s = s + ds_smem.load(col_s)[None, :]
     if MASKED:
+        keys = key0 + gl.arange(0, BLOCK_N, layout=col_s)
         s = gl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
     if SIGNAL_MAX:
         mbarrier.arrive(max_done)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2((m_i - m_safe) * qk_scale)
-    p = gl.exp2(s * qk_scale - (m_safe * qk_scale - LOG2_PMAX)[:, None])  # = 448 · P̃
-    l_i = l_i * alpha + gl.sum(p, 1)
-    # within each 32 keys, key k of the FP8 A operand is the accumulator's column 16k₄+8k₁+4k₃+2k₂+k₀: this
+    p = gl.exp2(s * row_scale - (m_safe * qk_scale - LOG2_PMAX)[:, None])  # = P_MAX · P̃
+    if PV_INT8:
+        # P_MAX·P̃ ∈ [0, 127]: adding 1.5·2²³ puts rne(P_MAX·P̃) in the low bits (MAGIC_I's low byte is 0), and the
+        # row sum of those words less BLOCK_N·MAGIC_I (exact in wrapping int32) is Σ P̂
+        p_bits = (p + MAGIC_F).to(gl.int32, bitcast=True)
+        p_hat = p_bits.to(gl.int8)
+        l_i = l_i * alpha + (gl.sum(p_bits, 1) - _int32_wrapped(BLOCK_N * MAGIC_I)).to(gl.float32)
+    else:
+        p_hat = p.to(gl.float8e4nv)
+        l_i = l_i * alpha + gl.sum(p, 1)
+    # within each 32 keys, key k of the 8-bit A operand is the accumulator's column 16k₄+8k₁+4k₃+2k₂+k₀: this
     # reordering costs no data movement (the registers are already where the operand wants them), and Vᵀ's
-    # keys are stored in the same order (wgmma_key_order), so P̃·V sums the same products
-    p8 = gl.reshape(p.to(gl.float8e4nv), [p.shape[0], BLOCK_N // 32, 2, 2, 2, 2, 2])
+    # keys are stored in the same order (wgmma_key_order), so P̂·V sums the same products
+    p8 = gl.reshape(p_hat, [p.shape[0], BLOCK_N // 32, 2, 2, 2, 2, 2])
     p8 = gl.reshape(gl.permute(p8, [0, 1, 2, 4, 5, 3, 6]), [p.shape[0], BLOCK_N])
     return gl.convert_layout(p8, p_op), alpha, m_new, l_i
 
@@ -143,18 +189,22 @@ def _publish(p_hat, p_smem):
 
 
 @gluon.jit
-def _section(j, WG: gl.constexpr, q_wg, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn, KS_ptr, k_row0,
-             n_blocks, qs, ks_next, ks_after, qk_scale, NK, m_i, l_i, alpha, acc, last_key, zero_s, zero_o,
+def _section(j, WG: gl.constexpr, q_wg, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, KS_ptr,
+             k_row0, n_blocks, qs, ks_next, ks_after, qk_scale, m_i, l_i, alpha, acc, zero_s, zero_o,
              lane7: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SMOOTH_Q: gl.constexpr,
-             MASKED: gl.constexpr, col_s: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr, p_op: gl.constexpr):
-    """Section j + 1 of a consumer: Q·K_{j+1} and P̃_j·V_j on its turn, softmax j + 1 under P̃_j·V_j, then
-    ``acc = α_j acc + P̃_j·V_j``; returns the carried state."""
+             TOKEN_SCALES: gl.constexpr, PV_INT8: gl.constexpr, col_s: gl.constexpr, row_s: gl.constexpr,
+             row_o: gl.constexpr, p_op: gl.constexpr):
+    """Section j + 1 of a consumer: Q·K_{j+1} and P̃_j·V_j on its turn, softmax j + 1 (unmasked) under P̃_j·V_j,
+    then ``acc = α_j acc + P̃_j·V_j``; returns the carried state. Block j is the program's j-th
+    (:func:`_key_block`)."""
     OTHER: gl.constexpr = 1 - WG
     buf = j % STAGES
     nbuf = (j + 1) % STAGES
     ks_cur = ks_next
-    ks_next = ks_after
-    ks_after = _lane_k_scale(KS_ptr, k_row0 + (j + 3) * BLOCK_N, lane7, BLOCK_N, j + 3 < n_blocks)
+    if not TOKEN_SCALES:  # per-thread groups: this lane's δK two blocks ahead
+        ks_next = ks_after
+        ks_after = _lane_k_scale(KS_ptr, k_row0 + _key_block(j + 3, n_blocks) * BLOCK_N, lane7, BLOCK_N,
+                                 j + 3 < n_blocks)
     mbarrier.wait(k_ready.index(nbuf), ((j + 1) // STAGES) & 1)
     mbarrier.wait(v_ready.index(buf), (j // STAGES) & 1)
     mbarrier.wait(turn.index(WG), ((j + 1) & 1) ^ OTHER)
@@ -163,26 +213,36 @@ def _section(j, WG: gl.constexpr, q_wg, p_s, k_s, ds_s, v_s, k_ready, v_ready, k
                                  is_async=True)
     mbarrier.arrive(turn.index(OTHER))
     s_int = hopper.warpgroup_mma_wait(1, deps=[s_tok])
-    p_hat, alpha_next, m_i, l_i = _softmax_block(s_int, qs * ks_cur, ds_s.index(nbuf), qk_scale, j + 1, NK, m_i,
-                                                 l_i, last_key, None, False, BLOCK_N, SMOOTH_Q, MASKED, col_s, row_s,
-                                                 p_op)
+    p_hat, alpha_next, m_i, l_i = _softmax_block(s_int, qs * ks_cur, ds_s.index(nbuf), ks_s.index(nbuf), qk_scale,
+                                                 _key_block(j + 1, n_blocks) * BLOCK_N, m_i, l_i, None,
+                                                 None, False, BLOCK_N, SMOOTH_Q, TOKEN_SCALES, PV_INT8, False, col_s,
+                                                 row_s, p_op)
     _publish(p_hat, p_s.index(2 * WG + (j + 1) % 2))  # the other buffer: P̃_j·V_j still reads this one
     r = hopper.warpgroup_mma_wait(0, deps=[r_tok])
     mbarrier.arrive(kv_empty.index(buf))  # K_j and V_j are done with: one arrival releases both
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + r  # two-level: one block's P̃·V, then into acc
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + _block_pv(r)  # two-level: one block's P̂·V, then acc
     return m_i, l_i, alpha_next, acc, ks_next, ks_after
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
+def _block_pv(r):
+    """A block's P̂·V̂ as fp32: the FP8 wgmma's already, the INT8 one's int32 converted (exact: |R| ≤ 127²·BLOCK_N
+    < 2²⁴)."""
+    if r.dtype == gl.int32:
+        r = r.to(gl.float32)
+    return r
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
               QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
-              pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, n_full, NQ, NK, NQB, qk_scale,
+              pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, Q_BLOCK: gl.constexpr, STAGES: gl.constexpr,
               SMOOTH_Q: gl.constexpr, SMOOTH_K: gl.constexpr, SMOOTH_V: gl.constexpr, RETURN_LSE: gl.constexpr,
-              CAUSAL: gl.constexpr):
-    """Consumer warpgroup ``WG`` (0 or 1): query rows ``m0 + 64 WG …`` over key blocks 0 … n_blocks - 1 (module
-    docstring), masking those from ``n_full`` on (causal), then its rows of O (and LSE)."""
-    LOG2_PMAX: gl.constexpr = 8.807354922057604  # log2(448)
+              TOKEN_SCALES: gl.constexpr, PV_INT8: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer warpgroup ``WG`` (0 or 1): query rows ``m0 + 64 WG …`` over the program's ``n_blocks`` key blocks
+    (module docstring; causal: the diagonal block first, masked), then its rows of O (and LSE)."""
+    LOG2_PMAX: gl.constexpr = _log2_p_max(PV_INT8)
     s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_N, 32])
     o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -196,7 +256,10 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_e
 
     r0 = m0 + WG * WG_ROWS
     rows = r0 + gl.arange(0, WG_ROWS, layout=row_s)
-    last_key = rows + (NK - NQ)  # causal, bottom-right aligned: row r attends keys ≤ r + Nk - Nq
+    if CAUSAL:  # bottom-right aligned: row r attends keys ≤ r + Nk - Nq
+        last_key = gl.minimum(rows + (NK - NQ), NK - 1)
+    else:
+        last_key = gl.full([WG_ROWS], NK - 1, gl.int32, layout=row_s)
     # δQ · log2(e)/√d of each lane's rows (16w + i; 16w + 8 + i shares it), shaped (4, 1, 8, 1, 1, 1, 1) in lane7
     lane7: gl.constexpr = gl.reshape(gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_mma),
                                      _lane_scale_shape(BLOCK_N)).type.layout
@@ -206,11 +269,13 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_e
               + gl.arange(0, 8, layout=gl.SliceLayout(0, ql))[None, :])
     qs = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + q_rows, mask=q_rows < NQ, other=0.0)
     qs = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qs, 1), 3), 4), 5), 6)
+    if TOKEN_SCALES:  # δQ of each row enters with the softmax scale (_softmax_block)
+        qk_scale = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + rows, mask=rows < NQ, other=1.0) * qk_scale
     q_wg = q_s.slice(WG * WG_ROWS, WG_ROWS)
     zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.int32, layout=s_mma)
-    zero_o = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_mma)
+    zero_o = gl.zeros([WG_ROWS, HEAD_DIM], gl.int32 if PV_INT8 else gl.float32, layout=o_mma)
 
-    # section 0: Q·K_0, softmax 0
+    # section 0: Q·K_0, softmax 0 (causal: the masked diagonal block)
     mbarrier.wait(k_ready.index(0), 0)
     if WG == 1:  # warpgroup 1 starts once warpgroup 0 has its first row max (module docstring)
         mbarrier.wait(first_max.index(0), 0)
@@ -220,27 +285,24 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_e
     s_int = hopper.warpgroup_mma_wait(0, deps=[s_tok])
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
-    scale = qs * _lane_k_scale(KS_ptr, k_row0, lane7, BLOCK_N)
-    p_hat, alpha, m_i, l_i = _softmax_block(s_int, scale, ds_s.index(0), qk_scale, 0, NK, m_i, l_i,
-                                            last_key, first_max.index(0), WG == 0, BLOCK_N, SMOOTH_Q, CAUSAL, col_s,
-                                            row_s, p_op)
+    key0 = _key_block(0, n_blocks) * BLOCK_N
+    scale = qs * _lane_k_scale(KS_ptr, k_row0 + key0, lane7, BLOCK_N)
+    p_hat, alpha, m_i, l_i = _softmax_block(s_int, scale, ds_s.index(0), ks_s.index(0), qk_scale, key0, m_i, l_i,
+                                            last_key, first_max.index(0), WG == 0, BLOCK_N, SMOOTH_Q, TOKEN_SCALES,
+                                            PV_INT8, True, col_s, row_s, p_op)
     _publish(p_hat, p_s.index(2 * WG))
     acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_mma)
-    ks_next = _lane_k_scale(KS_ptr, k_row0 + BLOCK_N, lane7, BLOCK_N, 1 < n_blocks)
-    ks_after = _lane_k_scale(KS_ptr, k_row0 + 2 * BLOCK_N, lane7, BLOCK_N, 2 < n_blocks)
-    # sections 1 … n_full - 1 see only keys every row may attend; the rest (causal: the diagonal) are masked
-    for j in range(n_full - 1):
+    ks_next = _lane_k_scale(KS_ptr, k_row0 + _key_block(1, n_blocks) * BLOCK_N, lane7, BLOCK_N,
+                            1 < n_blocks)
+    ks_after = _lane_k_scale(KS_ptr, k_row0 + _key_block(2, n_blocks) * BLOCK_N, lane7, BLOCK_N,
+                             2 < n_blocks)
+    # sections 1 … n_blocks - 1 see only keys every row of the program may attend
+    for j in range(n_blocks - 1):
         m_i, l_i, alpha, acc, ks_next, ks_after = _section(
-            j, WG, q_wg, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn, KS_ptr, k_row0, n_blocks, qs,
-            ks_next, ks_after, qk_scale, NK, m_i, l_i, alpha, acc, last_key, zero_s, zero_o, lane7,
-            BLOCK_N, STAGES, SMOOTH_Q, False, col_s, row_s, row_o, p_op)
-    if CAUSAL:
-        for j in range(gl.maximum(n_full - 1, 0), n_blocks - 1):
-            m_i, l_i, alpha, acc, ks_next, ks_after = _section(
-                j, WG, q_wg, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn, KS_ptr, k_row0, n_blocks, qs,
-                ks_next, ks_after, qk_scale, NK, m_i, l_i, alpha, acc, last_key, zero_s, zero_o, lane7,
-                BLOCK_N, STAGES, SMOOTH_Q, True, col_s, row_s, row_o, p_op)
-    # section n_blocks: P̃·V of the last block
+            j, WG, q_wg, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, KS_ptr, k_row0, n_blocks, qs,
+            ks_next, ks_after, qk_scale, m_i, l_i, alpha, acc, zero_s, zero_o, lane7,
+            BLOCK_N, STAGES, SMOOTH_Q, TOKEN_SCALES, PV_INT8, col_s, row_s, row_o, p_op)
+    # section n_blocks: P̂·V of the last block
     last = (n_blocks - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
     mbarrier.wait(turn.index(WG), (n_blocks & 1) ^ OTHER)
@@ -248,10 +310,14 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_e
                                  use_acc=False, is_async=True)
     mbarrier.arrive(turn.index(OTHER))
     r = hopper.warpgroup_mma_wait(0, deps=[r_tok])
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + r
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + _block_pv(r)
 
+    # acc is in units of P_MAX·V̂ and ℓ in units of P_MAX: the two cancel
     d_o = gl.arange(0, HEAD_DIM, layout=col_o)
-    out = acc * gl.load(VS_ptr + bh_kv * HEAD_DIM + d_o)[None, :]
+    if PV_INT8:  # one V scale
+        out = acc * gl.load(VS_ptr)
+    else:
+        out = acc * gl.load(VS_ptr + bh_kv * HEAD_DIM + d_o)[None, :]
     l_o = gl.convert_layout(l_i, row_o)
     empty = l_o == 0.0
     out = out / gl.where(empty, 1.0, l_o)[:, None]
@@ -274,13 +340,13 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_e
 
 
 @gluon.jit
-def _sage2_fwd_gluon(
-    Q_ptr, k_desc, vt_desc, ds_desc, QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr,
+def _attn_qk_int8_fwd_gluon(
+    Q_ptr, k_desc, vt_desc, ds_desc, ks_desc, QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr,
     stride_ob, stride_oh, stride_om,
     NQ, NK, NK_PAD, H, GROUP, NQB, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, Q_BLOCK: gl.constexpr,
     SMOOTH_Q: gl.constexpr, SMOOTH_K: gl.constexpr, SMOOTH_V: gl.constexpr, RETURN_LSE: gl.constexpr,
-    STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    STAGES: gl.constexpr, TOKEN_SCALES: gl.constexpr, PV_INT8: gl.constexpr, CAUSAL: gl.constexpr,
 ):
     """Program ``(q block of 128 rows, b·H + h)`` (causal: the last q block first, it has the most keys); launched
     with 4 warps (consumer 0), consumer 1 (4 warps) and the producer (1 warp) are the worker partitions."""
@@ -310,14 +376,15 @@ def _sage2_fwd_gluon(
     # done with the block: K is held one iteration past its use, so that one arrival releases K and V)
     k_s = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     ds_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ds_desc.layout)
-    v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], vt_desc.layout)
+    ks_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ks_desc.layout)
+    v_s = gl.allocate_shared_memory(vt_desc.dtype, [STAGES, HEAD_DIM, BLOCK_N], vt_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     first_max = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BLOCK_N), element_bitwidth=8, rank=2)
-    p_s = gl.allocate_shared_memory(gl.float8e4nv, [4, WG_ROWS, BLOCK_N], p_layout)  # consumer c: 2c, 2c + 1
+    p_s = gl.allocate_shared_memory(vt_desc.dtype, [4, WG_ROWS, BLOCK_N], p_layout)  # consumer c: 2c, 2c + 1
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -328,21 +395,22 @@ def _sage2_fwd_gluon(
     hopper.fence_async_shared()  # Q tile and barrier inits before the async proxy reads them
 
     n_blocks = NK_PAD // BLOCK_N
-    n_full = n_blocks  # blocks 0 … n_full - 1 hold no key a row of the program must not see
-    if CAUSAL:  # the program's last row attends keys ≤ m0 + 127 + Nk - Nq, its first ≤ m0 + Nk - Nq
+    if CAUSAL:  # row r attends keys ≤ r + Nk - Nq, with Nk - Nq a multiple of BLOCK_N (the launcher checks): every
+        # row of the program sees all keys before block (m0 + Nk - Nq) / BLOCK_N, the diagonal one and its last
         n_blocks = gl.minimum(gl.maximum(gl.cdiv(m0 + 2 * WG_ROWS + NK - NQ, BLOCK_N), 1), n_blocks)
-        n_full = gl.minimum(gl.maximum(m0 + 1 + NK - NQ, 0) // BLOCK_N, n_blocks)
     gl.warp_specialize([
-        (_consumer, (0, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
+        (_consumer, (0, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
                      QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
-                     pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, n_full, NQ, NK, NQB, qk_scale,
-                     BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE, CAUSAL)),
-        (_consumer, (1, q_s, p_s, k_s, ds_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
+                     pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
+                     BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE, TOKEN_SCALES,
+                     PV_INT8, CAUSAL)),
+        (_consumer, (1, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
                      QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
-                     pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, n_full, NQ, NK, NQB, qk_scale,
-                     BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE, CAUSAL)),
-        (_kv_producer, (k_desc, ds_desc, vt_desc, k_s, ds_s, v_s, k_ready, v_ready, kv_empty,
-                        k_row0, ds_row0, v_row0, n_blocks, BLOCK_N, HEAD_DIM, STAGES, SMOOTH_Q)),
+                     pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
+                     BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE, TOKEN_SCALES,
+                     PV_INT8, CAUSAL)),
+        (_kv_producer, (k_desc, ds_desc, ks_desc, vt_desc, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty,
+                        k_row0, ds_row0, v_row0, n_blocks, BLOCK_N, HEAD_DIM, STAGES, SMOOTH_Q, TOKEN_SCALES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_ready.index(i))
@@ -353,7 +421,7 @@ def _sage2_fwd_gluon(
     mbarrier.invalidate(first_max.index(0))
 
 
-_LAUNCH = LaunchPlans(_sage2_fwd_gluon)  # later calls of a shape skip JITFunction.run's host work
+_LAUNCH = LaunchPlans(_attn_qk_int8_fwd_gluon)  # later calls of a shape skip JITFunction.run's host work
 
 
 def wgmma_key_order(n: int, device: torch.device) -> torch.Tensor:
@@ -374,10 +442,11 @@ def permute_v_keys(v_hat_t: torch.Tensor, inverse: bool = False) -> torch.Tensor
     return v_hat_t.view(torch.uint8).index_select(-1, order).view(v_hat_t.dtype)
 
 
-def attn_sage2_gluon(
+def attn_qk_int8_gluon(
     x: QuantizedQKV,
     nk: int,
     *,
+    qk_granularity: str = "thread",
     is_causal: bool = False,
     sm_scale: float | None = None,
     return_lse: bool = False,
@@ -387,10 +456,14 @@ def attn_sage2_gluon(
     stages: int = 3,
     v_keys_permuted: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """sage2 attention (causal: bottom-right aligned, as the reference) over
-    :func:`~quantpatch.kernels.qk_quant_triton.quantize_qkv` operands quantized with per-thread groups
-    (``qk_granularity="thread"``, ``block_q / warps`` a multiple of 16, ``block_k`` of 64: :data:`K_SPAN`;
-    ``fast_paths.gluon_takes`` checks it), which the kernel reads as one δQ·δK a lane.
+    """sage2 or int8-flash attention (causal: bottom-right aligned, as the reference, with Nk - Nq a multiple of
+    :data:`BLOCK_M`) over :func:`~quantpatch.kernels.qk_quant_triton.quantize_qkv` operands. INT8 Q/K; the V
+    operand picks P̂·V, as in the Triton kernel: FP8 V with per-channel scales → P̂ = e4m3(448 P̃) (sage2), INT8 V
+    with one scale → P̂ = rne(127 P̃) and ℓ from P̂ (int8-flash).
+
+    ``qk_granularity``: how Q/K were quantized. ``"thread"``: SageAttention2's per-thread groups (``block_q / warps``
+    a multiple of 16, ``block_k`` of 64: :data:`K_SPAN`; ``fast_paths.gluon_takes`` checks it), which the kernel
+    reads as one δQ·δK a lane; ``"token"``: one scale a token (int8-flash), δK brought with K by TMA.
 
     ``stages``: depth of the K/Vᵀ ring; 3 ran 1.02 / 1.04 / 1.05× as fast as 4 at 8k / 16k / 32k keys and as fast at
     2k–4k (H200, session 18; 2: 0.72–0.75×, 5: slower than 4).
@@ -401,10 +474,18 @@ def attn_sage2_gluon(
     """
     b, h, nq, d = x.q_hat.shape
     hkv, nk_pad = x.k_hat.shape[1], x.k_hat.shape[2]
-    if x.q_hat.dtype != torch.int8 or x.v_hat_t.dtype != torch.float8_e4m3fn or x.v_scale.numel() == 1:
-        raise ValueError("attn_sage2_gluon takes INT8 Q/K, FP8 V with per-channel scales (sage2)")
+    pv_int8 = x.v_hat_t.dtype == torch.int8
+    v_ok = x.v_scale.numel() == 1 if pv_int8 else x.v_hat_t.dtype == torch.float8_e4m3fn and x.v_scale.dim() == 3
+    if x.q_hat.dtype != torch.int8 or not v_ok:
+        raise ValueError("attn_qk_int8_gluon takes INT8 Q/K with FP8 V and per-channel V scales (sage2) or INT8 V "
+                         "and one V scale (int8-flash)")
+    if qk_granularity not in ("thread", "token"):
+        raise ValueError(f"qk_granularity={qk_granularity!r}: the kernel reads per-thread or per-token scales")
     if nk_pad % block_n or block_q % BLOCK_M:
         raise ValueError(f"Nk_pad={nk_pad} must be a multiple of block_n={block_n}, block_q={block_q} of {BLOCK_M}")
+    if is_causal and ((nk - nq) % BLOCK_M or block_n != BLOCK_M):
+        raise ValueError(f"causal calls need Nk - Nq (= {nk - nq}) a multiple of {BLOCK_M} and block_n={BLOCK_M}: "
+                         "the diagonal must be one key block of each program")
     if x.delta_s.numel() >= 2**31:
         raise ValueError("ΔS too large for 32-bit TMA coordinates")
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
@@ -417,15 +498,17 @@ def attn_sage2_gluon(
     vec_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     k_desc = TensorDescriptor.from_tensor(x.k_hat.view(b * hkv * nk_pad, d), [block_n, d], k_layout)
     vt_desc = TensorDescriptor.from_tensor(v_t.view(b * hkv * d, nk_pad), [d, block_n], v_layout)
-    ds_desc = TensorDescriptor.from_tensor((x.delta_s if smooth_q else x.k_scale).view(-1), [block_n], vec_layout)
+    ks_desc = TensorDescriptor.from_tensor(x.k_scale.view(-1), [block_n], vec_layout)
+    ds_desc = TensorDescriptor.from_tensor(x.delta_s.view(-1), [block_n], vec_layout) if smooth_q else ks_desc
     _LAUNCH(
         (cdiv(nq, BLOCK_M), b * h),
-        (x.q_hat, k_desc, vt_desc, ds_desc, x.q_scale, x.k_scale, x.q_mean, x.k_mean, x.v_scale, x.v_mean, o, lse,
+        (x.q_hat, k_desc, vt_desc, ds_desc, ks_desc, x.q_scale, x.k_scale, x.q_mean, x.k_mean, x.v_scale, x.v_mean, o,
+         lse,
          o.stride(0), o.stride(1), o.stride(2),
          nq, nk, nk_pad, h, h // hkv, x.delta_s.shape[2] if smooth_q else 1, scale * LOG2E),
         dict(HEAD_DIM=d, BLOCK_N=block_n, Q_BLOCK=block_q,
              SMOOTH_Q=smooth_q, SMOOTH_K=x.k_mean.numel() > 0, SMOOTH_V=x.v_mean.numel() > 0, RETURN_LSE=return_lse,
-             STAGES=stages, CAUSAL=is_causal),
+             STAGES=stages, TOKEN_SCALES=qk_granularity == "token", PV_INT8=pv_int8, CAUSAL=is_causal),
         num_warps=4,
     )
     return o, lse

@@ -13,13 +13,13 @@ through them; launched on the current stream):
   :class:`~quantpatch.kernels.qk_quant_triton.QuantizedQKV`;
 * ``quantpatch::attn_qk_int8_pv_fp8``: the attention kernel over them
   (:func:`~quantpatch.kernels.attn_qk_int8_pv_fp8_triton.attn_qk_int8_pv_fp8`, or on sm_90 for
-  :func:`gluon_takes` calls :func:`~quantpatch.kernels.attn_gluon.attn_sage2_gluon`).
+  :func:`gluon_takes` calls :func:`~quantpatch.kernels.attn_gluon.attn_qk_int8_gluon`).
 
 Which path each mode takes: ``sage2-8b``/``sage2-4b`` (INT8 tensor cores, INT4 values for 4b),
 ``int8-flash``, ``fireq`` and ``turbo``'s prefill (SAS exponential, per-tile P scale, per-block V
 scale) run these Triton kernels on sm_89/sm_90 (sm_80 for configs without FP8 operands); on sm_90,
-sage2's non-causal head_dim-128 calls with at least ``GLUON_MIN_KEYS`` keys run the Gluon kernel (same numerics,
-FA3's warp-specialised ping-pong schedule).
+sage2's and int8-flash's head_dim-128 calls with at least ``GLUON_MIN_KEYS`` keys (causal: with Nk - Nq a multiple of
+128) run the Gluon kernel (same numerics, FA3's warp-specialised ping-pong schedule).
 """
 
 from __future__ import annotations
@@ -42,10 +42,12 @@ from .quant_attention_ref import smooth_k_lse_shift
 HEAD_DIMS = (64, 128)
 KEY_BLOCK = 128  # the attention kernel's key block; K/V are padded to a multiple of it
 FP8_OPERANDS = ("fp8_e4m3",)
-# the Gluon sage2 kernel from this many keys on, non-causal (H200, session 18, kernel only: 1.04× the Triton kernel at
-# 2k, 0.94× at 1k); causal calls stay on the Triton kernel, faster at every length measured (Gluon 0.83 / 0.89 /
-# 0.94 / 0.98× at 2k / 4k / 8k / 16k; eval/results/bench_attention/NOTES.md, sessions 15 and 18)
-GLUON_MIN_KEYS = 2048
+# the Gluon kernel from this many keys on, by (numerics, causal): where it ran faster than the Triton kernel, kernel
+# only (H200, eval/probes/sweep_gluon_attention.py; eval/results/bench_attention/NOTES.md, sessions 18 and 19).
+# sage2: non-causal 1.04× at 2k, 0.94× at 1k; causal 1.09× at 4k, 1.00× at 2k. int8-flash: non-causal 1.02× at 16k,
+# 1.08× at 32k, 0.99–1.01× from 2k to 8k; causal 1.06× at 4k, 0.98× at 2k.
+GLUON_MIN_KEYS = {("sage2", False): 2048, ("sage2", True): 4096, ("int8_flash", False): 16384,
+                  ("int8_flash", True): 4096}
 
 
 # --------------------------------------------------------------------------- config mapping
@@ -127,25 +129,37 @@ def call_unsupported(call: AttentionCall) -> str | None:
     return config_unsupported(cfg)
 
 
-def gluon_takes(cfg: AttentionConfig, head_dim: int, nk: int, is_causal: bool) -> bool:
-    """Whether :func:`~quantpatch.kernels.attn_gluon.attn_sage2_gluon` computes this call (on sm_90): sage2's
-    INT8-tensor-core Q·Kᵀ with per-thread groups the kernel reads as one δQ·δK a lane (``block_q / warps`` a
-    multiple of 16, ``block_k`` of 64), FP8 P̃·V accumulated per block, per-channel V; head_dim 128, query blocks
-    of a multiple of 128 rows, non-causal, at least ``GLUON_MIN_KEYS`` keys; False where the Gluon module does not
-    import."""
-    lane_groups = (_attn_gluon is not None and cfg.qk_granularity == "thread"
-                   and (cfg.block_q // cfg.warps) % 16 == 0 and cfg.block_k % _attn_gluon.K_SPAN.value == 0)
-    return (lane_groups and cfg.numerics == "sage2" and cfg.qk_format in ("int8", "int4")
-            and cfg.pv_format in FP8_OPERANDS
-            and cfg.two_level_accum and not cfg.l_from_quantized_p and not cfg.p_from_block_max
-            and cfg.exp == "exact" and cfg.v_granularity == "channel" and cfg.block_q % 128 == 0
-            and head_dim == 128 and not is_causal and nk >= GLUON_MIN_KEYS)
+def _gluon_numerics(cfg: AttentionConfig) -> bool:
+    """``cfg`` is one the Gluon kernel computes: sage2 (INT8/INT4-range Q·Kᵀ with per-thread groups the kernel reads
+    as one δQ·δK a lane, ``block_q / warps`` a multiple of 16 and ``block_k`` of 64; FP8 P̃·V accumulated per block,
+    per-channel V) or int8-flash (per-token INT8 Q/K, INT8 P̂·V, one V scale, ℓ from P̂), exact exp2."""
+    if _attn_gluon is None or cfg.exp != "exact" or cfg.p_from_block_max or cfg.block_q % _attn_gluon.BLOCK_M:
+        return False
+    if cfg.numerics == "sage2":
+        return (cfg.qk_format in ("int8", "int4") and cfg.qk_granularity == "thread"
+                and (cfg.block_q // cfg.warps) % 16 == 0 and cfg.block_k % _attn_gluon.K_SPAN.value == 0
+                and cfg.pv_format in FP8_OPERANDS and cfg.two_level_accum and not cfg.l_from_quantized_p
+                and cfg.v_granularity == "channel")
+    return (cfg.numerics == "int8_flash" and cfg.qk_format == "int8" and cfg.qk_granularity == "token"
+            and cfg.pv_format == "int8" and cfg.v_granularity == "tensor" and cfg.l_from_quantized_p)
 
 
-def uses_gluon(cfg: AttentionConfig, device: torch.device, head_dim: int, nk: int, is_causal: bool) -> bool:
+def gluon_takes(cfg: AttentionConfig, head_dim: int, nq: int, nk: int, is_causal: bool) -> bool:
+    """Whether :func:`~quantpatch.kernels.attn_gluon.attn_qk_int8_gluon` computes this call (on sm_90): numerics it
+    has (sage2, int8-flash), head_dim 128, query blocks of a multiple of 128 rows, at least
+    ``GLUON_MIN_KEYS[numerics, is_causal]`` keys, causal with Nk - Nq a multiple of 128 (the kernel's diagonal);
+    False where the Gluon module does not import."""
+    if not _gluon_numerics(cfg) or head_dim != 128:
+        return False
+    if is_causal and (nk - nq) % _attn_gluon.BLOCK_M:
+        return False
+    return nk >= GLUON_MIN_KEYS[cfg.numerics, is_causal]
+
+
+def uses_gluon(cfg: AttentionConfig, device: torch.device, head_dim: int, nq: int, nk: int, is_causal: bool) -> bool:
     """:func:`gluon_takes` and the Gluon kernel runs on ``device`` (:data:`ATTENTION_GLUON`): the call quantizes
     with ``v_key_order`` and attends with the Gluon kernel."""
-    return gluon_takes(cfg, head_dim, nk, is_causal) and ATTENTION_GLUON.unsupported(device) is None
+    return gluon_takes(cfg, head_dim, nq, nk, is_causal) and ATTENTION_GLUON.unsupported(device) is None
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -201,15 +215,16 @@ def _attend(
     k_mean: torch.Tensor, delta_s: torch.Tensor, v_hat_t: torch.Tensor, v_scale: torch.Tensor, v_mean: torch.Tensor,
     nk: int, is_causal: bool, sm_scale: float, return_lse: bool, out_dtype: torch.dtype, block_q: int,
     l_from_quantized_p: bool, two_level_accum: bool, block_m: int, block_n: int, num_warps: int, num_stages: int,
-    turbo: bool, p_qmax: int, gluon: bool,
+    turbo: bool, p_qmax: int, gluon: bool, qk_granularity: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attn_qk_int8_pv_fp8` over the fields of ``QuantizedQKV`` (the custom op's body); with ``gluon``
     (operands quantized with ``v_key_order``) the Gluon kernel."""
     x = QuantizedQKV(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean)
     if gluon:
         try:
-            return _attn_gluon.attn_sage2_gluon(x, nk, is_causal=is_causal, sm_scale=sm_scale, return_lse=return_lse,
-                                                out_dtype=out_dtype, block_q=block_q, v_keys_permuted=v_hat_t)
+            return _attn_gluon.attn_qk_int8_gluon(x, nk, qk_granularity=qk_granularity, is_causal=is_causal,
+                                                  sm_scale=sm_scale, return_lse=return_lse, out_dtype=out_dtype,
+                                                  block_q=block_q, v_keys_permuted=v_hat_t)
         except triton.CompilationError as err:  # a Triton whose Gluon API differs: warn once, Triton serves
             ATTENTION_GLUON.close(q_hat.device, err)
             x = x._replace(v_hat_t=_attn_gluon.permute_v_keys(v_hat_t, inverse=True))
@@ -226,7 +241,7 @@ attn_qk_int8_pv_fp8_op = torch.library.custom_op("quantpatch::attn_qk_int8_pv_fp
 @attn_qk_int8_pv_fp8_op.register_fake
 def _(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean, nk, is_causal, sm_scale,
       return_lse, out_dtype, block_q, l_from_quantized_p, two_level_accum, block_m, block_n, num_warps, num_stages,
-      turbo, p_qmax, gluon):
+      turbo, p_qmax, gluon, qk_granularity):
     b, h, nq, d = q_hat.shape
     lse_shape = (b, h, nq) if return_lse else (0,)
     return q_hat.new_empty((b, h, nq, d), dtype=out_dtype), q_hat.new_empty(lse_shape, dtype=torch.float32)
@@ -259,13 +274,13 @@ def quantized_attention(
     """
     compiling = torch.compiler.is_compiling()
     quantize = quantize_qkv_op if compiling else quantize_qkv
-    gluon = blocks is None and uses_gluon(cfg, q.device, q.shape[-1], k.shape[2], is_causal)
+    gluon = blocks is None and uses_gluon(cfg, q.device, q.shape[-1], q.shape[2], k.shape[2], is_causal)
     parts = quantize(q, k, v, **quant_options(cfg), v_key_order=gluon)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     kb = kernel_blocks(cfg, q.shape[-1]) if blocks is None else blocks
     options = (k.shape[2], is_causal, sm_scale, return_lse, q.dtype, cfg.block_q, cfg.l_from_quantized_p,
                cfg.two_level_accum, kb["block_m"], kb["block_n"], kb["num_warps"], kb["num_stages"],
-               cfg.exp == "sas", cfg.pv_qmax, gluon)
+               cfg.exp == "sas", cfg.pv_qmax, gluon, cfg.qk_granularity)
     attend = attn_qk_int8_pv_fp8_op if compiling else _attend
     o, lse = attend(*parts, *options)
     if return_lse and cfg.smooth_k:  # the kernel's LSE is that of the K-smoothed scores

@@ -519,7 +519,7 @@ def quantize_qkv(
     Args mirror :class:`quantpatch.config.AttentionConfig`; ``pad_to`` is the key block of the
     attention kernel (``Nk_pad = ceil(Nk / pad_to) · pad_to``, a multiple of ``block_k``);
     ``v_key_order``: ``v_hat_t``'s keys in the Gluon kernel's order (``attn_gluon.permute_v_keys``),
-    for :func:`~quantpatch.kernels.attn_gluon.attn_sage2_gluon` only.
+    for :func:`~quantpatch.kernels.attn_gluon.attn_qk_int8_gluon` only.
 
     Returns:
         :class:`QuantizedQKV` on ``q``'s device, launched on the current stream.

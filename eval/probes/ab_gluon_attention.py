@@ -7,7 +7,8 @@ operands, beside SDPA cuDNN in the same process (needs an sm_90 GPU; B=4, H=32, 
 
 Each NAME=PATH is a copy of ``kernels/attn_gluon.py`` (imported as ``quantpatch.kernels.attn_gluon_NAME_ab`` by
 ``kernel_copy.load_kernel_copy``, so its relative imports resolve to the current package) or an importable module
-name, with ``attn_sage2_gluon``; the first is the baseline. Two rounds, the second in reverse order; a variant's time is
+name, with ``attn_qk_int8_gluon``; the first is the baseline. Two rounds, the second in reverse order; a variant's
+time is
 the better of its two medians (``triton.testing.do_bench``). Prints and writes ``DIR/ab.json``: per N and variant
 ms, TFLOPS, × cuDNN, × the baseline, and the output's relative L1 against the Triton kernel's (equal across
 variants with equal numerics). Session 18's variants are diffs in
@@ -60,7 +61,7 @@ def main() -> None:
         best, err = {}, {}
         for order in (list(modules), list(reversed(modules))):
             for name in order:
-                fn = modules[name].attn_sage2_gluon
+                fn = modules[name].attn_qk_int8_gluon
                 out, _ = fn(x, n, **call, v_keys_permuted=vt)
                 err[name] = rel_l1(out.float(), ref.float())
                 best[name] = min(best.get(name, float("inf")),

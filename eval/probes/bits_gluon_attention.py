@@ -21,10 +21,10 @@ SHAPES = ((1000, 1000, 32, False), (239, 4096, 8, False), (4096, 4096, 32, True)
 
 
 def build(spec: str, index: int):
-    """``(attn_sage2_gluon, permute_v_keys, extra keyword arguments)`` of a build spec."""
+    """``(attn_qk_int8_gluon, permute_v_keys, extra keyword arguments)`` of a build spec."""
     path, _, stages = spec.partition(":")
     module = load(f"bits_build_{index}", path)
-    return module.attn_sage2_gluon, module.permute_v_keys, dict(stages=int(stages)) if stages else {}
+    return module.attn_qk_int8_gluon, module.permute_v_keys, dict(stages=int(stages)) if stages else {}
 
 
 def main() -> None:

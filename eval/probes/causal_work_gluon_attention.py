@@ -14,7 +14,7 @@ from sweep_gluon_attention import ms
 
 import quantpatch as qp
 from quantpatch.kernels import fast_paths
-from quantpatch.kernels.attn_gluon import attn_sage2_gluon, permute_v_keys
+from quantpatch.kernels.attn_gluon import attn_qk_int8_gluon, permute_v_keys
 from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
 from quantpatch.kernels.qk_quant_triton import QuantizedQKV
 
@@ -37,7 +37,8 @@ def main() -> None:
             k, v = (torch.randn(4, 32, nk, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
             x = QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **fast_paths.quant_options(cfg)))
             vt = permute_v_keys(x.v_hat_t)
-            gluon = ms(lambda: attn_sage2_gluon(x, nk, is_causal=causal, block_q=cfg.block_q, v_keys_permuted=vt), 100)
+            gluon = ms(lambda: attn_qk_int8_gluon(x, nk, is_causal=causal, block_q=cfg.block_q, v_keys_permuted=vt),
+                       100)
             triton = ms(lambda: attn_qk_int8_pv_fp8(x, nk, is_causal=causal, block_q=cfg.block_q, **blocks), 100)
             work = program_blocks(nq, nk, causal)
             print(f"Nq={nq} Nk={nk} causal={causal}: gluon {gluon:.3f} ms, triton {triton:.3f} ms; {work} "

@@ -4,7 +4,7 @@
     # run-gluon-causal: the Gluon kernel itself, causal (the public route sends causal calls to the Triton kernel)
     python eval/probes/ncu_stalls.py run|run-gluon-causal [N] [CALLS]
     # e.g. the Gluon attention kernel's third launch at N=8k (the quantization kernels: -k regex:q_and_kv_stats …)
-    ncu --clock-control none --set full --import-source yes -k regex:sage2_fwd_gluon --launch-skip 2 \\
+    ncu --clock-control none --set full --import-source yes -k regex:attn_qk_int8_fwd_gluon --launch-skip 2 \\
         --launch-count 1 -f -o gluon python eval/probes/ncu_stalls.py run 8192 3
     ncu -i gluon.ncu-rep --page source --csv --print-source sass > gluon_sass.csv
     # the summary (a .csv or .csv.gz export)
@@ -102,7 +102,7 @@ def run(n: int, calls: int, gluon_causal: bool) -> None:
 
     import quantpatch as qp
     from quantpatch.kernels import fast_paths
-    from quantpatch.kernels.attn_gluon import attn_sage2_gluon
+    from quantpatch.kernels.attn_gluon import attn_qk_int8_gluon
     from quantpatch.kernels.qk_quant_triton import QuantizedQKV
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -111,7 +111,7 @@ def run(n: int, calls: int, gluon_causal: bool) -> None:
     for _ in range(calls):
         if gluon_causal:
             x = QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **fast_paths.quant_options(cfg), v_key_order=True))
-            attn_sage2_gluon(x, n, is_causal=True, block_q=cfg.block_q, v_keys_permuted=x.v_hat_t)
+            attn_qk_int8_gluon(x, n, is_causal=True, block_q=cfg.block_q, v_keys_permuted=x.v_hat_t)
         else:
             qp.attention(q, k, v, mode="sage2-8b")
     torch.cuda.synchronize()

@@ -1,5 +1,5 @@
 """When each program of a persistent Gluon sage2 kernel starts and ends (needs an sm_90 GPU): a variant module whose
-``attn_sage2_gluon`` takes ``timer=`` (an int64 tensor of 2 × programs) into which consumer warpgroup 0 of every
+``attn_qk_int8_gluon`` takes ``timer=`` (an int64 tensor of 2 × programs) into which consumer warpgroup 0 of every
 program writes ``%globaltimer`` at its start and after its last tile, e.g. session 18's persistent variant with
 the timer (``eval/results/bench_attention/session18_h200/variants/persistent_timer.diff`` on a copy of
 ``kernels/attn_gluon.py`` of 630a621, loaded by ``kernel_copy.load_kernel_copy``: relative imports resolve to
@@ -34,7 +34,7 @@ def main() -> None:
         for causal in (False, True):
             t = torch.zeros(2 * programs, dtype=torch.int64, device="cuda")
             for _ in range(3):  # the last call's times stay
-                variant.attn_sage2_gluon(x, n, is_causal=causal, block_q=cfg.block_q, v_keys_permuted=vt, timer=t)
+                variant.attn_qk_int8_gluon(x, n, is_causal=causal, block_q=cfg.block_q, v_keys_permuted=vt, timer=t)
             torch.cuda.synchronize()
             t = t.view(programs, 2).double()
             start, end = (t[:, 0] - t[:, 0].min()) / 1e3, (t[:, 1] - t[:, 0].min()) / 1e3

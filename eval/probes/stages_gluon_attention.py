@@ -12,7 +12,7 @@ import triton.testing
 
 import quantpatch as qp
 from quantpatch.kernels import fast_paths
-from quantpatch.kernels.attn_gluon import attn_sage2_gluon
+from quantpatch.kernels.attn_gluon import attn_qk_int8_gluon
 from quantpatch.kernels.qk_quant_triton import QuantizedQKV
 
 
@@ -33,7 +33,8 @@ def main() -> None:
             for rnd in range(3):
                 for st in (args.stages if rnd % 2 == 0 else args.stages[::-1]):
                     times[st].append(float(triton.testing.do_bench(
-                        lambda st=st: attn_sage2_gluon(x, n, block_q=cfg.block_q, stages=st, v_keys_permuted=x.v_hat_t),
+                        lambda st=st: attn_qk_int8_gluon(x, n, block_q=cfg.block_q, stages=st,
+                                                         v_keys_permuted=x.v_hat_t),
                         warmup=25, rep=100, return_mode="median")))
             base = min(times[args.stages[0]])
             print(f"N={n} seed={seed}: " + "  ".join(f"{st} stages {min(t):.3f} ms (x{base / min(t):.3f} of "

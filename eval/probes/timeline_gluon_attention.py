@@ -80,7 +80,7 @@ EDITS = [  # (anchor, replacement[, times found]): once unless said
      "VS_ptr, VM_ptr, O_ptr, LSE_ptr, CLK_ptr, stride_ob, stride_oh, stride_om,\n              pid_bh"),
     ("VS_ptr, VM_ptr, O_ptr, LSE_ptr,\n    stride_ob", "VS_ptr, VM_ptr, O_ptr, LSE_ptr, CLK_ptr,\n    stride_ob"),
     ("x.v_scale, x.v_mean, o, lse,\n", "x.v_scale, x.v_mean, o, lse, CLK,\n"),
-    ("_LAUNCH = LaunchPlans(_sage2_fwd_gluon)", "CLK = None\n_LAUNCH = LaunchPlans(_sage2_fwd_gluon)"),
+    ("_LAUNCH = LaunchPlans(_attn_qk_int8_fwd_gluon)", "CLK = None\n_LAUNCH = LaunchPlans(_attn_qk_int8_fwd_gluon)"),
 ]
 
 
@@ -98,7 +98,7 @@ def main() -> None:
         x = QuantizedQKV(*fast_paths.quantize_qkv(q, k, v, **fast_paths.quant_options(cfg), v_key_order=True))
         tm.CLK = torch.zeros(4 * 32 * -(-n // tm.BLOCK_M) * 2 * 10, dtype=torch.int32, device="cuda")
         for _ in range(3):
-            tm.attn_sage2_gluon(x, n, is_causal=causal, block_q=cfg.block_q, v_keys_permuted=x.v_hat_t)
+            tm.attn_qk_int8_gluon(x, n, is_causal=causal, block_q=cfg.block_q, v_keys_permuted=x.v_hat_t)
         torch.cuda.synchronize()
         c = tm.CLK.view(-1, 2, 10).double()
         per_iter = c[..., :9].sum(0) / c[..., 9:].sum(0).clamp(min=1)  # (warpgroup, phase) cycles an iteration
