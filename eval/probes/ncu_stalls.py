@@ -1,8 +1,8 @@
 """Where a kernel's warps stall, from Nsight Compute's PC sampling (needs a GPU with ncu for ``run``).
 
-    # the program ncu profiles: quantpatch.attention, sage2-8b, non-causal, B=4, H=32, D=128, bf16, CALLS calls;
-    # run-gluon-causal: the Gluon kernel itself, causal (the public route sends causal calls to the Triton kernel)
-    python eval/probes/ncu_stalls.py run|run-gluon-causal [N] [CALLS]
+    # the program ncu profiles: CALLS calls of the quantization pass and the Gluon attention kernel itself, sage2-8b
+    # (or --mode int8-flash), non-causal unless --causal, B=4, H=32, D=128, bf16
+    python eval/probes/ncu_stalls.py run [N] [CALLS] [--mode MODE] [--causal]
     # e.g. the Gluon attention kernel's third launch at N=8k (the quantization kernels: -k regex:q_and_kv_stats …)
     ncu --clock-control none --set full --import-source yes -k regex:attn_qk_int8_fwd_gluon --launch-skip 2 \\
         --launch-count 1 -f -o gluon python eval/probes/ncu_stalls.py run 8192 3
@@ -97,7 +97,7 @@ def summarize(path: str) -> None:
             print(f"  {op:10s} {s / loop_samples:6.1%} of the loop: {top}")
 
 
-def run(n: int, calls: int, gluon_causal: bool) -> None:
+def run(n: int, calls: int, mode: str, causal: bool) -> None:
     import torch
 
     import quantpatch as qp
@@ -107,21 +107,21 @@ def run(n: int, calls: int, gluon_causal: bool) -> None:
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(4, 32, n, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
-    cfg = qp.get_mode("sage2-8b").attention
+    cfg = qp.get_mode(mode).attention
     for _ in range(calls):
-        if gluon_causal:
-            x = QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **fast_paths.quant_options(cfg), v_key_order=True))
-            attn_qk_int8_gluon(x, n, is_causal=True, block_q=cfg.block_q, v_keys_permuted=x.v_hat_t)
-        else:
-            qp.attention(q, k, v, mode="sage2-8b")
+        x = QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **fast_paths.quant_options(cfg), v_key_order=True))
+        attn_qk_int8_gluon(x, n, qk_granularity=cfg.qk_granularity, is_causal=causal, block_q=cfg.block_q,
+                           v_keys_permuted=x.v_hat_t)
     torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["summarize"] and len(sys.argv) == 3:
         summarize(sys.argv[2])
-    elif sys.argv[1:2] in (["run"], ["run-gluon-causal"]):
-        given = [int(a) for a in sys.argv[2:4]]
-        run(*(given + [8192, 3][len(given):]), gluon_causal=sys.argv[1] == "run-gluon-causal")
+    elif sys.argv[1:2] == ["run"]:
+        args = sys.argv[2:]
+        mode = args[args.index("--mode") + 1] if "--mode" in args else "sage2-8b"
+        given = [int(a) for a in args if a.isdigit()]
+        run(*(given + [8192, 3][len(given):]), mode=mode, causal="--causal" in args)
     else:
         sys.exit(__doc__)
