@@ -1,8 +1,8 @@
 """Where a consumer warpgroup's loop iteration goes in the Gluon sage2 kernel (needs an sm_90 GPU): a copy of
 ``kernels/attn_gluon.py`` with ``%clock`` reads at the phase boundaries of ``_section``
 (``kernel_copy.edited_copy``), non-causal unless ``--causal``, B=4, H=32, D=128, bf16, sage2-8b operands; prints
-the SM cycles a loop iteration spends in each phase (summed over programs, over their unmasked iterations; causal:
-the masked sections' phases count in the sums), per consumer warpgroup.
+the SM cycles a loop iteration spends in each phase (summed over programs and their loop iterations: every section
+but the first, masked one), per consumer warpgroup.
 
     python eval/probes/timeline_gluon_attention.py [--causal] [N ...]   # default: 2048 8192
 
@@ -57,29 +57,25 @@ EDITS = [  # (anchor, replacement[, times found]): once unless said
      "         t[5] + (c4 - c_sum), t[6] + (c5 - c4), t[7] + (c6 - c5))\n"
      "    return m_i, l_i, alpha_next, acc, ks_next, ks_after, t\n"),
     ("    p_hat, alpha, m_i, l_i = _softmax_block(", "    p_hat, alpha, m_i, l_i, c_max, c_sum = _softmax_block("),
-    ("    for j in range(n_full - 1):\n        m_i, l_i, alpha, acc, ks_next, ks_after = _section(",
+    ("    for j in range(n_blocks - 1):\n        m_i, l_i, alpha, acc, ks_next, ks_after = _section(",
      "    z = gl.zeros([WG_ROWS], gl.int32, layout=row_s)\n    t = (z, z, z, z, z, z, z, z)\n"
      "    c_start = _clock(l_i)\n"
-     "    for j in range(n_full - 1):\n        m_i, l_i, alpha, acc, ks_next, ks_after, t = _section("),
-    ("BLOCK_N, STAGES, SMOOTH_Q, False, col_s, row_s, row_o, p_op)\n    if CAUSAL:",
-     "BLOCK_N, STAGES, SMOOTH_Q, False, col_s, row_s, row_o, p_op, t)\n    t_loop = _clock(l_i) - c_start\n"
-     "    if CAUSAL:"),
-    ("            m_i, l_i, alpha, acc, ks_next, ks_after = _section(",
-     "            m_i, l_i, alpha, acc, ks_next, ks_after, t = _section("),
-    ("BLOCK_N, STAGES, SMOOTH_Q, True, col_s, row_s, row_o, p_op)\n",
-     "BLOCK_N, STAGES, SMOOTH_Q, True, col_s, row_s, row_o, p_op, t)\n"),
+     "    for j in range(n_blocks - 1):\n        m_i, l_i, alpha, acc, ks_next, ks_after, t = _section("),
+    ("BLOCK_N, STAGES, SMOOTH_Q, TOKEN_SCALES, PV_INT8, col_s, row_s, row_o, p_op)\n",
+     "BLOCK_N, STAGES, SMOOTH_Q, TOKEN_SCALES, PV_INT8, col_s, row_s, row_o, p_op, t)\n"
+     "    t_loop = _clock(l_i) - c_start\n"),
     ("    if RETURN_LSE:\n        ds_shift",
      "    slot = CLK_ptr + ((pid_bh * gl.num_programs(0) + gl.program_id(0)) * 2 + WG) * 10 + 0 * rows\n"
      "    for i in gl.static_range(8):\n        gl.store(slot + i, t[i], mask=rows == r0)\n"
      "    gl.store(slot + 8, t_loop, mask=rows == r0)\n"
-     "    gl.store(slot + 9, 0 * rows + n_full - 1, mask=rows == r0)\n"
+     "    gl.store(slot + 9, 0 * rows + n_blocks - 1, mask=rows == r0)\n"
      "    if RETURN_LSE:\n        ds_shift"),
     ("VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,\n                     pid_bh",
      "VS_ptr, VM_ptr, O_ptr, LSE_ptr, CLK_ptr, stride_ob, stride_oh, stride_om,\n                     pid_bh", 2),
     ("VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,\n              pid_bh",
      "VS_ptr, VM_ptr, O_ptr, LSE_ptr, CLK_ptr, stride_ob, stride_oh, stride_om,\n              pid_bh"),
     ("VS_ptr, VM_ptr, O_ptr, LSE_ptr,\n    stride_ob", "VS_ptr, VM_ptr, O_ptr, LSE_ptr, CLK_ptr,\n    stride_ob"),
-    ("x.v_scale, x.v_mean, o, lse,\n", "x.v_scale, x.v_mean, o, lse, CLK,\n"),
+    ("x.v_scale, x.v_mean, o,\n         lse,", "x.v_scale, x.v_mean, o,\n         lse, CLK,"),
     ("_LAUNCH = LaunchPlans(_attn_qk_int8_fwd_gluon)", "CLK = None\n_LAUNCH = LaunchPlans(_attn_qk_int8_fwd_gluon)"),
 ]
 
