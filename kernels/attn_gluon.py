@@ -47,13 +47,11 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .attn_qk_int8_pv_fp8_triton import LOG2E, MAGIC_F, MAGIC_I
 from .compiled_launch import LaunchPlans, cdiv
 from .gluon_compat import cta_barrier, tma_load
 from .qk_quant_triton import QuantizedQKV
 
-LOG2E = 1.4426950408889634
-MAGIC_F = gl.constexpr(12582912.0)  # 1.5·2²³: x + MAGIC_F puts rne(x) in the low mantissa bits for |x| < 2²²
-MAGIC_I = gl.constexpr(0x4B400000)  # its bit pattern
 WG_ROWS = gl.constexpr(64)  # query rows of a consumer warpgroup (wgmma M)
 BLOCK_M = 128  # query rows of a program: two consumer warpgroups
 # SageAttention2's per-thread groups (App. A.6) as this kernel reads them: rows 16w + i and 16w + 8 + i share δQ

@@ -305,7 +305,7 @@ try:
     _GLUON_IMPORT_ERROR = None
 except ImportError as _err:
     _attn_gluon, _GLUON_IMPORT_ERROR = None, str(_err)
-ATTENTION_GLUON = GluonGate("sage2 attention (head_dim 128)", "the Triton attention kernel",
+ATTENTION_GLUON = GluonGate("sage2 / int8-flash attention (head_dim 128)", "the Triton attention kernel",
                             _GLUON_IMPORT_ERROR)
 # the launch plans of the prefill path: quantization (3 launches), then the Triton or the Gluon attention kernel
 PREFILL_PLANS = (qk_quant_triton._STATS_LAUNCH, qk_quant_triton._DELTA_S_LAUNCH, qk_quant_triton._KV_LAUNCH,
