@@ -191,20 +191,20 @@ def _quantized_meta(q, k, *, qk_format, smooth_q, smooth_k, smooth_v, pv_format,
 def quantize_qkv_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str, qk_granularity: str, qk_qmax: int,
     smooth_q: bool, smooth_k: bool, smooth_v: bool, pv_format: str, pv_qmax: int, v_granularity: str,
-    block_q: int, block_k: int, warps: int, pad_to: int, v_key_order: bool = False,
+    block_q: int, block_k: int, warps: int, pad_to: int, v_key_order: bool = False, is_causal: bool = False,
 ) -> list[torch.Tensor]:
     """Custom-op form of :func:`quantize_qkv` (returns the fields of ``QuantizedQKV`` as a list)."""
     out = quantize_qkv(
         q, k, v, qk_format=qk_format, qk_granularity=qk_granularity, qk_qmax=qk_qmax, smooth_q=smooth_q,
         smooth_k=smooth_k, smooth_v=smooth_v, pv_format=pv_format, pv_qmax=pv_qmax, v_granularity=v_granularity,
-        block_q=block_q, block_k=block_k, warps=warps, pad_to=pad_to, v_key_order=v_key_order,
+        block_q=block_q, block_k=block_k, warps=warps, pad_to=pad_to, v_key_order=v_key_order, is_causal=is_causal,
     )
     return list(out)
 
 
 @quantize_qkv_op.register_fake
 def _(q, k, v, qk_format, qk_granularity, qk_qmax, smooth_q, smooth_k, smooth_v, pv_format, pv_qmax, v_granularity,
-      block_q, block_k, warps, pad_to, v_key_order=False):
+      block_q, block_k, warps, pad_to, v_key_order=False, is_causal=False):
     return _quantized_meta(q, k, qk_format=qk_format, smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v,
                            pv_format=pv_format, v_granularity=v_granularity, block_q=block_q, block_k=block_k,
                            pad_to=pad_to)
@@ -275,7 +275,7 @@ def quantized_attention(
     compiling = torch.compiler.is_compiling()
     quantize = quantize_qkv_op if compiling else quantize_qkv
     gluon = blocks is None and uses_gluon(cfg, q.device, q.shape[-1], q.shape[2], k.shape[2], is_causal)
-    parts = quantize(q, k, v, **quant_options(cfg), v_key_order=gluon)
+    parts = quantize(q, k, v, **quant_options(cfg), v_key_order=gluon, is_causal=is_causal)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     kb = kernel_blocks(cfg, q.shape[-1]) if blocks is None else blocks
     options = (k.shape[2], is_causal, sm_scale, return_lse, q.dtype, cfg.block_q, cfg.l_from_quantized_p,

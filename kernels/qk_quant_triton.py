@@ -306,16 +306,17 @@ def _kv_finalize_head(
         tl.store(VS_ptr + pid_bh * HEAD_DIM + offs_d, tl.where(v_scale == 0.0, 1.0, v_scale))
 
 
-@triton.jit(do_not_specialize=["NK"])
+@triton.jit(do_not_specialize=["NK", "DIAG"])
 def _delta_s_kernel(
     K_ptr, QM_ptr, DS_ptr,
     stride_kb, stride_kh, stride_kn,
-    NK, NK_PAD, HKV, GROUP, NQB,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QB_TILE: tl.constexpr, K_BF16: tl.constexpr,
-    EMULATE: tl.constexpr,
+    NK, NK_PAD, HKV, GROUP, NQB, DIAG,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QB_TILE: tl.constexpr, Q_BLOCK: tl.constexpr,
+    K_BF16: tl.constexpr, CAUSAL: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """ΔS_raw[b, h, qb, j] = q̄[b, h, qb] · K[b, h // G, j] for BLOCK_N keys of a kv head and every query block
-    of its G query heads; −inf at the padding keys Nk ≤ j < Nk_pad.
+    of its G query heads; −inf at the padding keys Nk ≤ j < Nk_pad. CAUSAL: only for the query blocks that see
+    one of these keys (``j0 < (qb + 1) · Q_BLOCK + DIAG`` for the tile's first key ``j0``, ``DIAG = Nk − Nq``).
 
     A small GEMM (M = query blocks, N = keys, K = head_dim) on the raw K, exact in bf16 where K − K̄ would
     not be; ΔS_raw keeps the row constant q̄ · K̄ (see the module docstring). It runs on bf16 tensor cores
@@ -326,8 +327,12 @@ def _delta_s_kernel(
     pid_bh = tl.program_id(1).to(tl.int64)  # offsets of large tensors exceed int32
     b = pid_bh // HKV
     hk = pid_bh % HKV
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    key0 = pid_n * BLOCK_N
+    rows = key0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
+    qb_first = 0
+    if CAUSAL:  # the first query block whose last row sees key0
+        qb_first = tl.maximum(key0 - DIAG, 0) // Q_BLOCK
     k_in = tl.load(K_ptr + b * stride_kb + hk * stride_kh + rows[:, None] * stride_kn + offs_d[None, :],
                    mask=rows[:, None] < NK, other=0.0)
     if K_BF16:
@@ -340,7 +345,7 @@ def _delta_s_kernel(
     offs_qb = tl.arange(0, QB_TILE)
     for g in range(GROUP):
         bh_q = b * HKV * GROUP + hk * GROUP + g
-        for qb0 in range(0, NQB, QB_TILE):
+        for qb0 in range(qb_first // QB_TILE * QB_TILE, NQB, QB_TILE):
             qb = qb0 + offs_qb
             qm = tl.load(QM_ptr + (bh_q * NQB + qb[:, None]) * HEAD_DIM + offs_d[None, :],
                          mask=qb[:, None] < NQB, other=0.0)
@@ -354,7 +359,7 @@ def _delta_s_kernel(
                 ds = _dot_bf16(q_lo, k_lo, ds, EMULATE)
             ds = tl.where(rows[None, :] < NK, ds, float("-inf"))
             tl.store(DS_ptr + (bh_q * NQB + qb[:, None]) * NK_PAD + rows[None, :], ds,
-                     mask=(qb[:, None] < NQB) & (rows[None, :] < NK_PAD))
+                     mask=(qb[:, None] < NQB) & (qb[:, None] >= qb_first) & (rows[None, :] < NK_PAD))
 
 
 @triton.jit(do_not_specialize=["NK"])
@@ -474,6 +479,25 @@ class QuantizedQKV(NamedTuple):
     v_mean: torch.Tensor
 
 
+def _delta_s_tile(pad_to: int) -> int:
+    """Keys of a ΔS program (a divisor of every attention kernel's key block)."""
+    return min(DS_TUNING["block_n"], pad_to)
+
+
+def delta_s_written(nq: int, nk: int, *, block_q: int, pad_to: int, is_causal: bool,
+                    device: torch.device | str | None = None) -> torch.Tensor:
+    """The entries ``(ceil(Nq / block_q), Nk_pad)`` of ``delta_s`` that :func:`quantize_qkv` writes (bool): all, or
+    with ``is_causal`` a query block ``qb``'s key tiles (of ``min(128, pad_to)`` keys) that start before
+    ``(qb + 1) · block_q + Nk − Nq``, every key block a bottom-right aligned causal kernel reads."""
+    tile = _delta_s_tile(pad_to)
+    nk_pad = cdiv(nk, pad_to) * pad_to
+    key0 = torch.arange(0, nk_pad, device=device) // tile * tile
+    qb = torch.arange(cdiv(nq, block_q), device=device)
+    if not is_causal:
+        return torch.ones(qb.numel(), nk_pad, dtype=torch.bool, device=device)
+    return key0[None, :] < (qb[:, None] + 1) * block_q + (nk - nq)
+
+
 def _fmt_id(fmt: str) -> int:
     if fmt in ("int8", "int4"):
         return FMT_INT
@@ -513,13 +537,15 @@ def quantize_qkv(
     warps: int = 4,
     pad_to: int = 128,
     v_key_order: bool = False,
+    is_causal: bool = False,
 ) -> QuantizedQKV:
     """Quantize ``q (B, H, Nq, D)``, ``k, v (B, Hkv, Nk, D)`` (fp16/bf16, last dim contiguous).
 
     Args mirror :class:`quantpatch.config.AttentionConfig`; ``pad_to`` is the key block of the
     attention kernel (``Nk_pad = ceil(Nk / pad_to) · pad_to``, a multiple of ``block_k``);
     ``v_key_order``: ``v_hat_t``'s keys in the Gluon kernel's order (``attn_gluon.permute_v_keys``),
-    for :func:`~quantpatch.kernels.attn_gluon.attn_qk_int8_gluon` only.
+    for :func:`~quantpatch.kernels.attn_gluon.attn_qk_int8_gluon` only; ``is_causal``: ``delta_s`` only where
+    a causal (bottom-right aligned) kernel reads it (:func:`delta_s_written`), the rest left unwritten.
 
     Returns:
         :class:`QuantizedQKV` on ``q``'s device, launched on the current stream.
@@ -600,12 +626,12 @@ def quantize_qkv(
     # launch 2: ΔS_raw = q̄ · Kᵀ on the raw K (needs q̄ only)
     delta_s = torch.empty((b, h, nqb, nk_pad), **f32) if smooth_q else torch.empty(0, **f32)
     if smooth_q:
-        ds_block = min(DS_TUNING["block_n"], pad_to)
+        ds_block = _delta_s_tile(pad_to)
         _DELTA_S_LAUNCH(
             (cdiv(nk_pad, ds_block), b * hkv),
-            (k, q_mean, delta_s, k.stride(0), k.stride(1), k.stride(2), nk, nk_pad, hkv, h // hkv, nqb),
-            dict(HEAD_DIM=d, BLOCK_N=ds_block, QB_TILE=16 if emulate else DS_TUNING["qb_tile"],
-                 K_BF16=k.dtype == torch.bfloat16, EMULATE=emulate),
+            (k, q_mean, delta_s, k.stride(0), k.stride(1), k.stride(2), nk, nk_pad, hkv, h // hkv, nqb, nk - nq),
+            dict(HEAD_DIM=d, BLOCK_N=ds_block, QB_TILE=16 if emulate else DS_TUNING["qb_tile"], Q_BLOCK=block_q,
+                 K_BF16=k.dtype == torch.bfloat16, CAUSAL=is_causal, EMULATE=emulate),
             num_warps=DS_TUNING["num_warps"], num_stages=DS_TUNING["num_stages"],
         )
 

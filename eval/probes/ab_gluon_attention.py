@@ -1,6 +1,6 @@
 """A/B of copies of the Gluon sage2 attention module (``kernels/attn_gluon.py`` edited), kernel only, on the same
 operands, beside SDPA cuDNN in the same process (needs an sm_90 GPU; B=4, H=32, D=128, bf16; non-causal unless
-``--causal``):
+``--causal``; sage2-8b operands unless ``--mode int8-flash``):
 
     python eval/probes/ab_gluon_attention.py --out DIR base=COPY.py new=quantpatch.kernels.attn_gluon \
         [--seq-lens 4096 8192 16384]
@@ -43,18 +43,20 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--causal", action="store_true", help="causal (bottom-right aligned); TFLOPS halved")
+    ap.add_argument("--mode", default="sage2-8b", choices=["sage2-8b", "int8-flash"])
     ap.add_argument("variants", nargs="+", help="NAME=PATH, the baseline first")
     args = ap.parse_args()
     modules = {name: load(name, path) for name, path in (v.split("=", 1) for v in args.variants)}
     base = next(iter(modules))
-    cfg = qp.get_mode("sage2-8b").attention
+    cfg = qp.get_mode(args.mode).attention
     blocks = fast_paths.kernel_blocks(cfg, 128)
     rows = []
     for n in args.seq_lens:
         q, k, v, x, vt = operands(cfg, n)
         work = flops(n, args.causal)
         call = dict(is_causal=args.causal, block_q=cfg.block_q)
-        ref, _ = attn_qk_int8_pv_fp8(x, n, **call, **blocks)
+        ref, _ = attn_qk_int8_pv_fp8(x, n, **call, **blocks, l_from_quantized_p=cfg.l_from_quantized_p)
+        call["qk_granularity"] = cfg.qk_granularity
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             t_cudnn = ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=args.causal),
                          100)
@@ -67,7 +69,7 @@ def main() -> None:
                 best[name] = min(best.get(name, float("inf")),
                                  ms(lambda: fn(x, n, **call, v_keys_permuted=vt), 100))
         for name, t in best.items():
-            row = dict(n=n, causal=args.causal, impl=name, ms=t, tflops=work / t * 1e-9, vs_cudnn=t_cudnn / t,
+            row = dict(n=n, causal=args.causal, mode=args.mode, impl=name, ms=t, tflops=work / t * 1e-9, vs_cudnn=t_cudnn / t,
                        vs_base=best[base] / t, rel_l1_vs_triton=err[name])
             rows.append(row)
             print(f"N={n:6d} {name:10s} {t:8.3f} ms  x{row['vs_cudnn']:.3f} cuDNN  x{row['vs_base']:.3f} {base}  "

@@ -45,17 +45,24 @@ def test_permute_v_keys_moves_whole_key_columns():
     assert torch.equal(out.view(torch.uint8), v.view(torch.uint8)[..., order])
 
 
-def _operands(nq, nk, heads, kv_heads, mode="sage2-8b", smooth_q=True, seed=0):
+def _operands(nq, nk, heads, kv_heads, mode="sage2-8b", smooth_q=True, seed=0, causal=False):
+    """Quantized operands; causal ones with ΔS NaN where causal quantization leaves it unwritten (so a kernel that
+    reads there gives NaN)."""
     import quantpatch as qp
     from quantpatch.kernels import fast_paths
-    from quantpatch.kernels.qk_quant_triton import QuantizedQKV
+    from quantpatch.kernels.qk_quant_triton import QuantizedQKV, delta_s_written
 
     q, k, v = attention_inputs("outliers", batch=2, heads=heads, kv_heads=kv_heads, seq_q=nq, seq_k=nk,
                                head_dim=128, seed=seed)
     q, k, v = (t.to("cuda", torch.bfloat16) for t in (q, k, v))
     cfg = qp.get_mode(mode).attention
     opts = fast_paths.quant_options(cfg) | (dict(smooth_q=smooth_q) if cfg.smooth_q else {})
-    return QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **opts)), cfg, (q, k, v)
+    x = QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **opts, is_causal=causal))
+    if x.delta_s.numel():
+        written = delta_s_written(nq, nk, block_q=opts["block_q"], pad_to=opts["pad_to"], is_causal=causal,
+                                  device=x.delta_s.device)
+        x.delta_s[..., ~written] = float("nan")
+    return x, cfg, (q, k, v)
 
 
 SHAPES = [(1, 1), (113, 239), (1000, 1000), (239, 4096), (4096, 4096)]
@@ -76,7 +83,7 @@ def test_gpu_gluon_matches_the_triton_kernel(shape, mode, smooth_q, stages, caus
     from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
 
     nq, nk = (CAUSAL_SHAPES if causal else SHAPES)[shape]
-    x, cfg, qkv = _operands(nq, nk, heads=4, kv_heads=2, mode=mode, smooth_q=smooth_q, seed=nq + nk)
+    x, cfg, qkv = _operands(nq, nk, heads=4, kv_heads=2, mode=mode, smooth_q=smooth_q, seed=nq + nk, causal=causal)
     ref, ref_lse = attn_qk_int8_pv_fp8(x, nk, is_causal=causal, return_lse=True, block_q=cfg.block_q, block_m=64,
                                        block_n=128, num_warps=4, num_stages=2,
                                        l_from_quantized_p=cfg.l_from_quantized_p, two_level_accum=cfg.two_level_accum)

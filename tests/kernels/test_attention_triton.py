@@ -76,10 +76,12 @@ def _quant_kw(mode):
     return quant_options(get_mode(mode).attention)
 
 
-def _check_quantization(q, k, v, kw):
-    from quantpatch.kernels.qk_quant_triton import QuantizedQKV, quantize_qkv, quantize_qkv_ref
+def _check_quantization(q, k, v, kw, is_causal=False):
+    """Every quantized value and scale of the kernels equals the reference's; the means and ΔS within rounding
+    (ΔS where it is written: causal calls leave the key tiles no causal kernel reads)."""
+    from quantpatch.kernels.qk_quant_triton import QuantizedQKV, delta_s_written, quantize_qkv, quantize_qkv_ref
 
-    out = QuantizedQKV(*(t.cpu() for t in quantize_qkv(q, k, v, **kw)))
+    out = QuantizedQKV(*(t.cpu() for t in quantize_qkv(q, k, v, **kw, is_causal=is_causal)))
     q, k, v = q.cpu(), k.cpu(), v.cpu()
     means = tuple(t if t.numel() else None for t in (out.q_mean, out.k_mean, out.v_mean))
     ref = quantize_qkv_ref(q, k, v, **kw, means=means)
@@ -95,9 +97,11 @@ def _check_quantization(q, k, v, kw):
         assert a.shape == r.shape, name
         torch.testing.assert_close(a, r, rtol=MEAN_RTOL, atol=MEAN_RTOL * (r.abs().max().item() if r.numel() else 1))
     if ref.delta_s.numel():
-        nk = k.shape[2]
-        scale = ref.delta_s.abs().max().item() + 1e-30
-        torch.testing.assert_close(out.delta_s[..., :nk], ref.delta_s[..., :nk], rtol=0, atol=DELTA_S_RTOL * scale)
+        written = delta_s_written(q.shape[2], k.shape[2], block_q=kw["block_q"], pad_to=kw["pad_to"],
+                                  is_causal=is_causal)
+        a, r = out.delta_s[..., written], ref.delta_s[..., written]
+        scale = r[r.isfinite()].abs().max().item() + 1e-30 if r.isfinite().any() else 1.0
+        torch.testing.assert_close(a, r, rtol=0, atol=DELTA_S_RTOL * scale)
 
 
 # --------------------------------------------------------------------------- quantization
@@ -236,6 +240,30 @@ def test_attention_smooth_v(is_causal):
     q, k, v = _inputs(113, 239, dtype=torch.float16, kind="outliers", seed=5)
     cfg = get_mode("sage2-8b").attention.replace(smooth_v=True)
     _check_attention(q, k, v, cfg, is_causal=is_causal, blocks=EXACT_BLOCKS, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("nq, nk", [(300, 300), (300, 170), (170, 420)])
+def test_causal_quantization_writes_the_delta_s_that_causal_kernels_read(nq, nk):
+    """Causal quantization leaves ΔS's key tiles past each query block's diagonal unwritten. What it writes equals
+    the reference; and with the rest NaN the causal Triton kernel (the reference's tiles and the production ones)
+    gives the bits it gives over the full ΔS, so it reads none of them. (300, 170): rows that see no key."""
+    from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
+    from quantpatch.kernels.fast_paths import kernel_blocks
+    from quantpatch.kernels.qk_quant_triton import delta_s_written, quantize_qkv
+
+    cfg = get_mode("sage2-8b").attention
+    kw = _quant_kw("sage2-8b")
+    q, k, v = _inputs(nq, nk, kind="outliers", seed=nq - nk)
+    _check_quantization(q, k, v, kw, is_causal=True)
+    written = delta_s_written(nq, nk, block_q=cfg.block_q, pad_to=kw["pad_to"], is_causal=True, device=DEVICE)
+    assert not written.all()
+    full = quantize_qkv(q, k, v, **kw)
+    poisoned = full._replace(delta_s=torch.where(written, full.delta_s, float("nan")))
+    for blocks in (EXACT_BLOCKS, kernel_blocks(cfg, q.shape[-1])):
+        want, got = (attn_qk_int8_pv_fp8(x, nk, is_causal=True, return_lse=True, out_dtype=q.dtype,
+                                         block_q=cfg.block_q, **blocks) for x in (full, poisoned))
+        for a, b in zip(want, got):
+            assert torch.equal(a, b), blocks
 
 
 def test_custom_op_fake_shapes_match_the_kernels():
