@@ -69,8 +69,8 @@ def main() -> None:
                 best[name] = min(best.get(name, float("inf")),
                                  ms(lambda: fn(x, n, **call, v_keys_permuted=vt), 100))
         for name, t in best.items():
-            row = dict(n=n, causal=args.causal, mode=args.mode, impl=name, ms=t, tflops=work / t * 1e-9, vs_cudnn=t_cudnn / t,
-                       vs_base=best[base] / t, rel_l1_vs_triton=err[name])
+            row = dict(n=n, causal=args.causal, mode=args.mode, impl=name, ms=t, tflops=work / t * 1e-9,
+                       vs_cudnn=t_cudnn / t, vs_base=best[base] / t, rel_l1_vs_triton=err[name])
             rows.append(row)
             print(f"N={n:6d} {name:10s} {t:8.3f} ms  x{row['vs_cudnn']:.3f} cuDNN  x{row['vs_base']:.3f} {base}  "
                   f"rel-L1 vs triton {err[name]:.3g}", flush=True)
