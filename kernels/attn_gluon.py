@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .attn_qk_int8_pv_fp8_triton import LOG2E, MAGIC_F
+from .attn_qk_int8_pv_fp8_triton import LOG2E, MAGIC_F, MAGIC_I
 from .compiled_launch import LaunchPlans, cdiv
 from .gluon_compat import cta_barrier, tma_load
 from .qk_quant_triton import QuantizedQKV
@@ -58,7 +58,6 @@ BLOCK_M = 128  # query rows of a program: two consumer warpgroups
 # (query blocks with block_q / warps a multiple of 16), and within each aligned span of K_SPAN keys the keys
 # 8r + 2g + b of lane group g share δK (block_k a multiple of 64), so δQ·δK is one value a thread and span
 K_SPAN = gl.constexpr(64)
-L_COLS = gl.constexpr(8)  # wgmma's narrowest N: int8-flash's ℓ is P̂ against this many columns of ones
 CONSUMER_REGS = gl.constexpr(232)  # setmaxnreg: 2 · 128 · 232 + 128 · 24 ≤ 64 K
 PRODUCER_REGS = gl.constexpr(24)
 
@@ -98,6 +97,12 @@ def _log2_p_max(pv_int8):
 
 
 @triton.constexpr_function
+def _int32_wrapped(x):
+    """``x`` modulo 2³² as a signed 32-bit value (what int32 arithmetic that wraps leaves of it)."""
+    return (x + 2**31) % 2**32 - 2**31
+
+
+@triton.constexpr_function
 def _lane_scale_shape(block_n):
     """Shape of the score tile ``(64, block_n)`` seen by per-thread groups: row = 16w + 8h + i, key =
     64n + 8r + 2g + b (warp w, lane 4i + g; registers h, r, b), so δQ depends on (w, i) and δK on (n, g)."""
@@ -133,9 +138,8 @@ def _softmax_block(s_int, scale7, ds_smem, ks_smem, qk_scale, key0, m_i, l_i, la
     shifts a row's scores and its max alike, so P̃ and α are the reference's up to fp32 rounding.
     ``MASKED``: keys past ``last_key (64,)`` of each row are −inf (the tail, causal). ``SIGNAL_MAX``: arrive on the
     mbarrier ``max_done`` once the row max is known. Returns ``p_hat`` (the A operand of P̃·V), the rescale
-    ``alpha (64,)`` of what came before, and the new running max and sum ℓ (in units of P_MAX). With ``PV_INT8``
-    ℓ sums P̂ (INT-FlashAttention's ℓ from the quantized P): the tensor cores sum it with P̂·V (:func:`_issue_pv`),
-    so ``l_i`` passes through.
+    ``alpha (64,)`` of what came before, and the new running max and sum ℓ (in units of P_MAX; with ``PV_INT8``
+    ℓ sums P̂, INT-FlashAttention's ℓ from the quantized P).
     """
     LOG2_PMAX: gl.constexpr = _log2_p_max(PV_INT8)
     s_mma: gl.constexpr = s_int.type.layout
@@ -157,8 +161,12 @@ def _softmax_block(s_int, scale7, ds_smem, ks_smem, qk_scale, key0, m_i, l_i, la
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2((m_i - m_safe) * qk_scale)
     p = gl.exp2(s * row_scale - (m_safe * qk_scale - LOG2_PMAX)[:, None])  # = P_MAX · P̃
-    if PV_INT8:  # P_MAX·P̃ ∈ [0, 127]: adding 1.5·2²³ puts rne(P_MAX·P̃) in the low byte (MAGIC_I's is 0)
-        p_hat = (p + MAGIC_F).to(gl.int32, bitcast=True).to(gl.int8)
+    if PV_INT8:
+        # P_MAX·P̃ ∈ [0, 127]: adding 1.5·2²³ puts rne(P_MAX·P̃) in the low bits (MAGIC_I's low byte is 0), and the
+        # row sum of those words less BLOCK_N·MAGIC_I (exact in wrapping int32) is Σ P̂
+        p_bits = (p + MAGIC_F).to(gl.int32, bitcast=True)
+        p_hat = p_bits.to(gl.int8)
+        l_i = l_i * alpha + (gl.sum(p_bits, 1) - _int32_wrapped(BLOCK_N * MAGIC_I)).to(gl.float32)
     else:
         p_hat = p.to(gl.float8e4nv)
         l_i = l_i * alpha + gl.sum(p, 1)
@@ -179,8 +187,8 @@ def _publish(p_hat, p_smem):
 
 
 @gluon.jit
-def _section(j, WG: gl.constexpr, q_wg, p_s, k_s, ds_s, ks_s, v_s, ones_s, k_ready, v_ready, kv_empty, turn,
-             KS_ptr, k_row0, n_blocks, qs, ks_next, ks_after, qk_scale, m_i, l_i, alpha, acc, zero_s, zero_o, zero_l,
+def _section(j, WG: gl.constexpr, q_wg, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, KS_ptr,
+             k_row0, n_blocks, qs, ks_next, ks_after, qk_scale, m_i, l_i, alpha, acc, zero_s, zero_o,
              lane7: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SMOOTH_Q: gl.constexpr,
              TOKEN_SCALES: gl.constexpr, PV_INT8: gl.constexpr, col_s: gl.constexpr, row_s: gl.constexpr,
              row_o: gl.constexpr, p_op: gl.constexpr):
@@ -199,57 +207,32 @@ def _section(j, WG: gl.constexpr, q_wg, p_s, k_s, ds_s, ks_s, v_s, ones_s, k_rea
     mbarrier.wait(v_ready.index(buf), (j // STAGES) & 1)
     mbarrier.wait(turn.index(WG), ((j + 1) & 1) ^ OTHER)
     s_tok = hopper.warpgroup_mma(q_wg, k_s.index(nbuf).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    r_tok, l_tok = _issue_pv(p_s.index(2 * WG + j % 2), v_s.index(buf), ones_s, zero_o, zero_l, PV_INT8)
+    r_tok = hopper.warpgroup_mma(p_s.index(2 * WG + j % 2), v_s.index(buf).permute((1, 0)), zero_o, use_acc=False,
+                                 is_async=True)
     mbarrier.arrive(turn.index(OTHER))
-    s_int = hopper.warpgroup_mma_wait(1 + PV_INT8, deps=[s_tok])
+    s_int = hopper.warpgroup_mma_wait(1, deps=[s_tok])
     p_hat, alpha_next, m_i, l_i = _softmax_block(s_int, qs * ks_cur, ds_s.index(nbuf), ks_s.index(nbuf), qk_scale,
                                                  _key_block(j + 1, n_blocks) * BLOCK_N, m_i, l_i, None,
                                                  None, False, BLOCK_N, SMOOTH_Q, TOKEN_SCALES, PV_INT8, False, col_s,
                                                  row_s, p_op)
     _publish(p_hat, p_s.index(2 * WG + (j + 1) % 2))  # the other buffer: P̃_j·V_j still reads this one
-    r, l_blk = _wait_pv(r_tok, l_tok, PV_INT8)
+    r = hopper.warpgroup_mma_wait(0, deps=[r_tok])
     mbarrier.arrive(kv_empty.index(buf))  # K_j and V_j are done with: one arrival releases both
-    acc, l_i = _accumulate(acc, l_i, alpha, r, l_blk, row_o, PV_INT8)
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + _block_pv(r)  # two-level: one block's P̂·V, then acc
     return m_i, l_i, alpha_next, acc, ks_next, ks_after
 
 
 @gluon.jit
-def _issue_pv(p_smem, v_smem, ones_s, zero_o, zero_l, PV_INT8: gl.constexpr):
-    """Issue a block's P̂·V (async wgmma); with ``PV_INT8`` also P̂ against ``ones_s`` (L_COLS × BLOCK_N), whose
-    every column is then the rows' Σ P̂ (int32, exact): int8-flash's ℓ summed by the tensor cores instead of ~50
-    integer adds a lane. Returns the two tokens (the P̂·V one twice without ``PV_INT8``)."""
-    r_tok = hopper.warpgroup_mma(p_smem, v_smem.permute((1, 0)), zero_o, use_acc=False, is_async=True)
-    l_tok = r_tok
-    if PV_INT8:
-        l_tok = hopper.warpgroup_mma(p_smem, ones_s.permute((1, 0)), zero_l, use_acc=False, is_async=True)
-    return r_tok, l_tok
-
-
-@gluon.jit
-def _wait_pv(r_tok, l_tok, PV_INT8: gl.constexpr):
-    """Wait for :func:`_issue_pv`'s wgmmas: ``(R, row sums)`` (``(R, R)`` without ``PV_INT8``)."""
-    if PV_INT8:
-        r, l_blk = hopper.warpgroup_mma_wait(0, deps=[r_tok, l_tok])
-    else:
-        r = hopper.warpgroup_mma_wait(0, deps=[r_tok])
-        l_blk = r
-    return r, l_blk
-
-
-@gluon.jit
-def _accumulate(acc, l_i, alpha, r, l_blk, row_o: gl.constexpr, PV_INT8: gl.constexpr):
-    """Two-level accumulation of a block's P̂·V̂ ``r``: ``acc = α acc + R`` in fp32 (the INT8 wgmma's int32 R
-    converted, exact: |R| ≤ 127²·BLOCK_N < 2²⁴); with ``PV_INT8`` also ``ℓ = α ℓ + Σ P̂`` from the row sums
-    ``l_blk`` (the same fp32 operations, in the same order, as summing P̂ in the softmax)."""
-    if PV_INT8:
+def _block_pv(r):
+    """A block's P̂·V̂ as fp32: the FP8 wgmma's already, the INT8 one's int32 converted (exact: |R| ≤ 127²·BLOCK_N
+    < 2²⁴)."""
+    if r.dtype == gl.int32:
         r = r.to(gl.float32)
-        l_i = l_i * alpha + gl.convert_layout(gl.max(l_blk, 1), alpha.type.layout).to(gl.float32)
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + r
-    return acc, l_i
+    return r
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, ones_s, k_ready, v_ready, kv_empty, turn, first_max,
+def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
               QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
               pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, Q_BLOCK: gl.constexpr, STAGES: gl.constexpr,
@@ -265,8 +248,6 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, ones_s, k_ready,
     p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_mma, k_width=4)
     row_s: gl.constexpr = gl.SliceLayout(1, s_mma)
     col_s: gl.constexpr = gl.SliceLayout(0, s_mma)
-    l_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, L_COLS, 32])
     row_o: gl.constexpr = gl.SliceLayout(1, o_mma)
     col_o: gl.constexpr = gl.SliceLayout(0, o_mma)
     OTHER: gl.constexpr = 1 - WG
@@ -291,7 +272,6 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, ones_s, k_ready,
     q_wg = q_s.slice(WG * WG_ROWS, WG_ROWS)
     zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.int32, layout=s_mma)
     zero_o = gl.zeros([WG_ROWS, HEAD_DIM], gl.int32 if PV_INT8 else gl.float32, layout=o_mma)
-    zero_l = gl.zeros([WG_ROWS, L_COLS], gl.int32, layout=l_mma)
 
     # section 0: Q·K_0, softmax 0 (causal: the masked diagonal block)
     mbarrier.wait(k_ready.index(0), 0)
@@ -317,18 +297,18 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, ones_s, k_ready,
     # sections 1 … n_blocks - 1 see only keys every row of the program may attend
     for j in range(n_blocks - 1):
         m_i, l_i, alpha, acc, ks_next, ks_after = _section(
-            j, WG, q_wg, p_s, k_s, ds_s, ks_s, v_s, ones_s, k_ready, v_ready, kv_empty, turn, KS_ptr, k_row0,
-            n_blocks, qs, ks_next, ks_after, qk_scale, m_i, l_i, alpha, acc, zero_s, zero_o, zero_l, lane7,
+            j, WG, q_wg, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, KS_ptr, k_row0, n_blocks, qs,
+            ks_next, ks_after, qk_scale, m_i, l_i, alpha, acc, zero_s, zero_o, lane7,
             BLOCK_N, STAGES, SMOOTH_Q, TOKEN_SCALES, PV_INT8, col_s, row_s, row_o, p_op)
     # section n_blocks: P̂·V of the last block
     last = (n_blocks - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
     mbarrier.wait(turn.index(WG), (n_blocks & 1) ^ OTHER)
-    r_tok, l_tok = _issue_pv(p_s.index(2 * WG + (n_blocks - 1) % 2), v_s.index(last), ones_s, zero_o, zero_l,
-                             PV_INT8)
+    r_tok = hopper.warpgroup_mma(p_s.index(2 * WG + (n_blocks - 1) % 2), v_s.index(last).permute((1, 0)), zero_o,
+                                 use_acc=False, is_async=True)
     mbarrier.arrive(turn.index(OTHER))
-    r, l_blk = _wait_pv(r_tok, l_tok, PV_INT8)
-    acc, l_i = _accumulate(acc, l_i, alpha, r, l_blk, row_o, PV_INT8)
+    r = hopper.warpgroup_mma_wait(0, deps=[r_tok])
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + _block_pv(r)
 
     # acc is in units of P_MAX·V̂ and ℓ in units of P_MAX: the two cancel
     d_o = gl.arange(0, HEAD_DIM, layout=col_o)
@@ -403,12 +383,6 @@ def _attn_qk_int8_fwd_gluon(
     first_max = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BLOCK_N), element_bitwidth=8, rank=2)
     p_s = gl.allocate_shared_memory(vt_desc.dtype, [4, WG_ROWS, BLOCK_N], p_layout)  # consumer c: 2c, 2c + 1
-    ones_s = p_s  # unused by sage2
-    if PV_INT8:  # the B operand that sums P̂'s rows (_issue_pv)
-        ones_ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32],
-                                                 warps_per_cta=[4, 1], order=[1, 0])
-        ones_s = gl.allocate_shared_memory(gl.int8, [L_COLS, BLOCK_N], p_layout,
-                                           gl.full([L_COLS, BLOCK_N], 1, gl.int8, layout=ones_ld))
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -416,19 +390,19 @@ def _attn_qk_int8_fwd_gluon(
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     mbarrier.init(first_max.index(0), count=1)
-    hopper.fence_async_shared()  # Q tile, ones and barrier inits before the async proxy reads them
+    hopper.fence_async_shared()  # Q tile and barrier inits before the async proxy reads them
 
     n_blocks = NK_PAD // BLOCK_N
     if CAUSAL:  # row r attends keys ≤ r + Nk - Nq, with Nk - Nq a multiple of BLOCK_N (the launcher checks): every
         # row of the program sees all keys before block (m0 + Nk - Nq) / BLOCK_N, the diagonal one and its last
         n_blocks = gl.minimum(gl.maximum(gl.cdiv(m0 + 2 * WG_ROWS + NK - NQ, BLOCK_N), 1), n_blocks)
     gl.warp_specialize([
-        (_consumer, (0, q_s, p_s, k_s, ds_s, ks_s, v_s, ones_s, k_ready, v_ready, kv_empty, turn, first_max,
+        (_consumer, (0, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
                      QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
                      pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
                      BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE, TOKEN_SCALES,
                      PV_INT8, CAUSAL)),
-        (_consumer, (1, q_s, p_s, k_s, ds_s, ks_s, v_s, ones_s, k_ready, v_ready, kv_empty, turn, first_max,
+        (_consumer, (1, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
                      QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
                      pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
                      BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE, TOKEN_SCALES,

@@ -73,9 +73,9 @@ VARIANTS = {
     "committed q64 w4 s2": (_committed, 64, 4, 2),
     "committed q64 w8 s2": (_committed, 64, 8, 2),
     "committed q128 w8 s2": (_committed, 128, 8, 2),
-    "rows q64 w4 s3": (_rows, 64, 4, 3),
-    "rows q64 w8 s3": (_rows, 64, 8, 3),
-    "rows q128 w8 s3": (_rows, 128, 8, 3),
+    "rows q64 w4 s2": (_rows, 64, 4, 2),
+    "rows q64 w8 s2": (_rows, 64, 8, 2),
+    "rows q128 w8 s1": (_rows, 128, 8, 1),
 }
 
 
@@ -102,11 +102,17 @@ def main() -> None:
                         launch, qb_tile, warps, stages = VARIANTS[name]
                         ds = torch.full_like(x.delta_s, float("nan"))
                         fn = lambda: launch(k, x.q_mean, ds, n, causal, qb_tile, warps, stages)  # noqa: E731
-                        fn()
+                        try:
+                            fn()
+                        except triton.runtime.errors.OutOfResources as err:
+                            print(f"N={n} causal={int(causal)} {name}: not run ({err})", flush=True)
+                            continue
                         if not torch.equal(ds[..., written], want):
                             raise AssertionError(f"{name}: ΔS differs (N={n}, causal={causal})")
                     times[name].append(float(triton.testing.do_bench(fn, rep=100, return_mode="median")))
             for name, ts in times.items():
+                if not ts:
+                    continue
                 us = min(ts) * 1e3
                 rate = f"  {nbytes / us / 1e6:.2f} TB/s" if name != "quantize_qkv" else ""
                 print(f"N={n} causal={int(causal)} {name:22s} {us:9.1f} µs{rate}", flush=True)
