@@ -370,7 +370,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tune", action="store_true", help="time kernel variants instead (kernel only)")
     p.add_argument("--profile", action="store_true", help="per-kernel times of quantization + attention")
     p.add_argument("--ds-tuning", nargs="*", default=[],
-                   help="--profile: ΔS GEMM launches to compare, each 'block_n,qb_tile,num_warps,num_stages'")
+                   help="--profile: ΔS GEMM launches to compare, each 'block_n,qb_tile,num_warps,num_stages' "
+                        "(qb_tile: calls of more than DS_TUNING['short_nqb'] query blocks)")
     p.add_argument("--variants", nargs="+", help=f"--tune variants (default all: {[v for v, _ in TUNE_VARIANTS]})")
     args = p.parse_args(argv)
     if args.quick:

@@ -60,7 +60,9 @@ STATS_TILE = 16  # tokens per load of the K/V statistics pass
 STATS_TILES = 32  # loads per program: one partial per STATS_TILES · STATS_TILE tokens (8: 7 % slower at 8k, H200)
 Q_SUB_ROWS = 32  # rows a load of the Q pass (at least one warp segment)
 Q_STATS_WARPS = 4  # launch 1 (H200, session 16: 8 warps 1.3–1.4× slower at 2k–32k)
-DS_TUNING = dict(block_n=128, qb_tile=64, num_warps=4, num_stages=2)  # launch of the ΔS GEMM
+# launch of the ΔS GEMM: query-block tiles of 64, or of 16 for calls of at most short_nqb query blocks (H200, session
+# 20, eval/probes/delta_s_launch.py: 16 is 1.3× as fast at 1k and 2k, even at 4k; 64 is 1.4× as fast from 8k on)
+DS_TUNING = dict(block_n=128, qb_tile=64, num_warps=4, num_stages=2, qb_tile_short=16, short_nqb=32)
 
 
 # --------------------------------------------------------------------------- jit helpers
@@ -627,11 +629,12 @@ def quantize_qkv(
     delta_s = torch.empty((b, h, nqb, nk_pad), **f32) if smooth_q else torch.empty(0, **f32)
     if smooth_q:
         ds_block = _delta_s_tile(pad_to)
+        qb_tile = DS_TUNING["qb_tile_short"] if emulate or nqb <= DS_TUNING["short_nqb"] else DS_TUNING["qb_tile"]
         _DELTA_S_LAUNCH(
             (cdiv(nk_pad, ds_block), b * hkv),
             (k, q_mean, delta_s, k.stride(0), k.stride(1), k.stride(2), nk, nk_pad, hkv, h // hkv, nqb, nk - nq),
-            dict(HEAD_DIM=d, BLOCK_N=ds_block, QB_TILE=16 if emulate else DS_TUNING["qb_tile"], Q_BLOCK=block_q,
-                 K_BF16=k.dtype == torch.bfloat16, CAUSAL=is_causal, EMULATE=emulate),
+            dict(HEAD_DIM=d, BLOCK_N=ds_block, QB_TILE=qb_tile, Q_BLOCK=block_q, K_BF16=k.dtype == torch.bfloat16,
+                 CAUSAL=is_causal, EMULATE=emulate),
             num_warps=DS_TUNING["num_warps"], num_stages=DS_TUNING["num_stages"],
         )
 

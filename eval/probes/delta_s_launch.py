@@ -19,6 +19,11 @@ import quantpatch as qp
 from quantpatch.kernels import fast_paths, qk_quant_triton
 from quantpatch.kernels.qk_quant_triton import _dot_bf16, _split_bf16, delta_s_written
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton without host tensor descriptors: the TMA variants are skipped
+    TensorDescriptor = None
+
 
 @triton.jit
 def _delta_s_rows_kernel(K_ptr, QM_ptr, DS_ptr, stride_kb, stride_kh, stride_kn, NK, NK_PAD, H, GROUP, NQB, DIAG,
@@ -52,6 +57,61 @@ def _delta_s_rows_kernel(K_ptr, QM_ptr, DS_ptr, stride_kb, stride_kh, stride_kn,
         tl.store(ds_base + rows[None, :], ds, mask=mask)
 
 
+@triton.jit
+def _delta_s_tma_kernel(K_ptr, qm_desc, ds_desc, stride_kb, stride_kh, stride_kn, NK, HKV, GROUP, NQB, DIAG,
+                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QB_TILE: tl.constexpr, Q_BLOCK: tl.constexpr,
+                        CAUSAL: tl.constexpr, TMA_Q: tl.constexpr):
+    """The committed kernel's tiles with ΔS stored by TMA (``ds_desc`` over (B·H, NQB, Nk_pad), boxes of
+    (1, QB_TILE, BLOCK_N), clipped at each head's NQB) and, with TMA_Q, q̄ loaded by TMA (bf16 K only)."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HKV
+    hk = pid_bh % HKV
+    key0 = pid_n * BLOCK_N
+    rows = key0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    qb_first = 0
+    if CAUSAL:
+        qb_first = tl.maximum(key0 - DIAG, 0) // Q_BLOCK
+    k = tl.load(K_ptr + b.to(tl.int64) * stride_kb + hk * stride_kh + rows[:, None] * stride_kn + offs_d[None, :],
+                mask=rows[:, None] < NK, other=0.0)
+    offs_qb = tl.arange(0, QB_TILE)
+    for g in range(GROUP):
+        bh_q = b * HKV * GROUP + hk * GROUP + g
+        for qb0 in range(qb_first // QB_TILE * QB_TILE, NQB, QB_TILE):
+            if TMA_Q:
+                qm = tl.reshape(qm_desc.load([bh_q, qb0, 0]), [QB_TILE, HEAD_DIM])
+            else:
+                qb = qb0 + offs_qb
+                qm = tl.load(qm_desc + (bh_q.to(tl.int64) * NQB + qb[:, None]) * HEAD_DIM + offs_d[None, :],
+                             mask=qb[:, None] < NQB, other=0.0)
+            q_hi, q_mid, q_lo = _split_bf16(qm)
+            ds = _dot_bf16(q_hi, k, tl.zeros([QB_TILE, BLOCK_N], dtype=tl.float32), False)
+            ds = _dot_bf16(q_mid, k, ds, False)
+            ds = _dot_bf16(q_lo, k, ds, False)
+            ds = tl.where(rows[None, :] < NK, ds, float("-inf"))
+            ds_desc.store([bh_q, qb0, key0], tl.reshape(ds, [1, QB_TILE, BLOCK_N]))
+
+
+def _tma(k, q_mean, ds, nq, causal, qb_tile, warps, stages, tma_q):
+    b, hkv, nk, d = k.shape
+    h, nqb, nk_pad = q_mean.shape[1], q_mean.shape[2], ds.shape[-1]
+    ds_desc = TensorDescriptor(ds, [b * h, nqb, nk_pad], [nqb * nk_pad, nk_pad, 1], [1, qb_tile, 128])
+    qm = TensorDescriptor(q_mean, [b * h, nqb, d], [nqb * d, d, 1], [1, qb_tile, d]) if tma_q else q_mean
+    _delta_s_tma_kernel[(nk_pad // 128, b * hkv)](
+        k, qm, ds_desc, k.stride(0), k.stride(1), k.stride(2), nk, hkv, h // hkv, nqb, nk - nq,
+        HEAD_DIM=d, BLOCK_N=128, QB_TILE=qb_tile, Q_BLOCK=128, CAUSAL=causal, TMA_Q=tma_q, num_warps=warps,
+        num_stages=stages)
+
+
+def _tma_store(*args):
+    _tma(*args, tma_q=False)
+
+
+def _tma_both(*args):
+    _tma(*args, tma_q=True)
+
+
 def _committed(k, q_mean, ds, nq, causal, qb_tile, warps, stages):
     b, hkv, nk, d = k.shape
     h, nqb, nk_pad = q_mean.shape[1], q_mean.shape[2], ds.shape[-1]
@@ -71,17 +131,26 @@ def _rows(k, q_mean, ds, nq, causal, qb_tile, warps, stages):
 
 VARIANTS = {
     "committed q64 w4 s2": (_committed, 64, 4, 2),
+    "committed q32 w4 s2": (_committed, 32, 4, 2),
+    "committed q16 w4 s2": (_committed, 16, 4, 2),
     "committed q64 w8 s2": (_committed, 64, 8, 2),
-    "committed q128 w8 s2": (_committed, 128, 8, 2),
     "rows q64 w4 s2": (_rows, 64, 4, 2),
-    "rows q64 w8 s2": (_rows, 64, 8, 2),
     "rows q128 w8 s1": (_rows, 128, 8, 1),
 }
+if TensorDescriptor is not None:
+    VARIANTS |= {
+        "tma store q64 w4 s2": (_tma_store, 64, 4, 2),
+        "tma store q64 w4 s3": (_tma_store, 64, 4, 3),
+        "tma q+store q64 w4 s2": (_tma_both, 64, 4, 2),
+        "tma q+store q64 w4 s3": (_tma_both, 64, 4, 3),
+        "tma q+store q128 w8 s2": (_tma_both, 128, 8, 2),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384, 32768])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), help="names of VARIANTS to time")
     args = ap.parse_args()
     options = fast_paths.quant_options(qp.get_mode("sage2-8b").attention) | dict(v_key_order=True)
     for n in args.seq_lens:
@@ -92,7 +161,7 @@ def main() -> None:
             written = delta_s_written(n, n, block_q=128, pad_to=128, is_causal=causal, device="cuda")
             want = x.delta_s[..., written]
             nbytes = written.sum().item() * 4 * 4 * 32 + k.numel() * 2
-            times = {name: [] for name in VARIANTS}
+            times = {name: [] for name in args.variants}
             times["quantize_qkv"] = []
             for rnd in range(3):
                 for name in (list(times) if rnd % 2 == 0 else list(times)[::-1]):
