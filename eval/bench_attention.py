@@ -176,7 +176,7 @@ def speed_rows(args) -> list[dict]:
         for mode in args.modes:
             cfg = mode_config(mode)
             gluon = fast_paths.uses_gluon(cfg, torch.device("cuda"), d, n, n, causal)
-            opts = fast_paths.quant_options(cfg) | dict(v_key_order=gluon)  # as the e2e call quantizes
+            opts = fast_paths.quant_options(cfg) | dict(v_key_order=gluon, is_causal=causal)  # as the e2e call does
             blocks = fast_paths.kernel_blocks(cfg, d)
             def e2e(i, c=cfg):
                 return qp.attention(*sets[i], mode=c, is_causal=causal, strict=True)
