@@ -9,8 +9,10 @@ public route is ``fast_paths.gluon_takes``.
 
 A program takes 128 query rows: two consumer warpgroups of 64 rows share one producer warp, which brings K
 (with ΔS, or int8-flash's per-token δK) and Vᵀ blocks by TMA into ``STAGES``-deep rings. Per-thread groups make
-δQ·δK one value a lane and 64-key span, so S costs one multiply-add an element (with ΔS); each lane loads its δK
-two blocks ahead. Scores stay in raw units (log₂e/√d is applied in the exp2's own multiply-add) and ΔS keeps its
+δQ·δK one value a lane and 64-key span, so S costs one multiply-add an element (with ΔS). Each lane loads its δK
+two blocks ahead from global memory, or, causal, reads it from a ring the producer fills with K by TMA (as
+int8-flash's per-token δK): the ring ran causal calls 1.02–1.04× as fast at 4k–16k keys and non-causal ones
+0.97–0.98× (H200, session 20), so each keeps the faster. Scores stay in raw units (log₂e/√d is applied in the exp2's own multiply-add) and ΔS keeps its
 row constant q̄·K̄, which softmax does not see (only the LSE removes it).
 
 A program takes its key blocks last first: the first is the only one with keys a row must not see (the tail, or,
@@ -65,10 +67,11 @@ PRODUCER_REGS = gl.constexpr(24)
 @gluon.jit
 def _kv_producer(k_desc, ds_desc, ks_desc, vt_desc, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty,
                  k_row0, ds_row0, v_row0, n_blocks, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 STAGES: gl.constexpr, SMOOTH_Q: gl.constexpr):
-    """Producer warp: the t-th K block (int8 tile, ΔS, δK) and Vᵀ block (:func:`_key_block`) into stage
-    ``t % STAGES`` by TMA once both consumers have released the stage (after their P̂·V of block t - STAGES)."""
-    K_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM + BLOCK_N * 4 * (SMOOTH_Q + 1)
+                 STAGES: gl.constexpr, SMOOTH_Q: gl.constexpr, DK_RING: gl.constexpr):
+    """Producer warp: the t-th K block (int8 tile, ΔS, δK with ``DK_RING``) and Vᵀ block (:func:`_key_block`) into
+    stage ``t % STAGES`` by TMA once both consumers have released the stage (after their P̂·V of block
+    t - STAGES)."""
+    K_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM + BLOCK_N * 4 * (SMOOTH_Q + DK_RING)
     for t in range(n_blocks):
         st = t % STAGES
         key0 = _key_block(t, n_blocks) * BLOCK_N
@@ -77,7 +80,8 @@ def _kv_producer(k_desc, ds_desc, ks_desc, vt_desc, k_s, ds_s, ks_s, v_s, k_read
         tma_load(k_desc, [k_row0 + key0, 0], k_ready.index(st), k_s.index(st))
         if SMOOTH_Q:
             tma_load(ds_desc, [ds_row0 + key0], k_ready.index(st), ds_s.index(st))
-        tma_load(ks_desc, [k_row0 + key0], k_ready.index(st), ks_s.index(st))
+        if DK_RING:
+            tma_load(ks_desc, [k_row0 + key0], k_ready.index(st), ks_s.index(st))
         mbarrier.expect(v_ready.index(st), BLOCK_N * HEAD_DIM)
         tma_load(vt_desc, [v_row0, key0], v_ready.index(st), v_s.index(st))
 
@@ -110,13 +114,24 @@ def _lane_scale_shape(block_n):
 
 
 @gluon.jit
-def _lane_k_scale(ks_smem, lane7: gl.constexpr, col_s: gl.constexpr, BLOCK_N: gl.constexpr):
-    """δK of the keys each lane holds in a key block, from the block's per-key scales ``ks_smem`` (BLOCK_N,) (brought
-    with K by TMA): shape (1, 1, 1, BLOCK_N / 64, 1, 4, 1) in ``lane7``, key 64n + 2g of span n for lane group g
-    (every key a lane holds there is in its group). Each lane reads its score columns' scales, then keeps key
-    64n + 2g of them: the reshapes and splits only rename registers."""
+def _lane_k_scale(KS_ptr, key0, lane7: gl.constexpr, BLOCK_N: gl.constexpr, valid=True):
+    """δK of the keys each lane holds in the key block starting at ``key0``: shape (1, 1, 1, BLOCK_N / 64, 1, 4, 1)
+    in ``lane7``, one load per 64-key span (key 2g of the span: every key a lane holds there is in its group)."""
     kl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4,
                                       gl.SliceLayout(6, lane7)))))  # dims (3, 5): span n, lane group g
+    span = gl.arange(0, BLOCK_N // K_SPAN, layout=gl.SliceLayout(1, kl))
+    g = gl.arange(0, 4, layout=gl.SliceLayout(0, kl))
+    ks = gl.load(KS_ptr + key0 + K_SPAN * span[:, None] + 2 * g[None, :], mask=valid, other=1.0)
+    return gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(ks, 0), 1), 2), 4), 6)
+
+
+@gluon.jit
+def _lane_k_scale_ring(ks_smem, lane7: gl.constexpr, col_s: gl.constexpr, BLOCK_N: gl.constexpr):
+    """:func:`_lane_k_scale` from the block's per-key scales ``ks_smem`` (BLOCK_N,), brought with K by TMA (causal
+    calls). Each lane reads its score columns' scales and keeps key 64n + 2g of them: the reshape, permute and splits
+    only rename registers, and ptxas loads the two values kept."""
+    kl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4,
+                                      gl.SliceLayout(6, lane7)))))
     ks = gl.reshape(ks_smem.load(col_s), [BLOCK_N // K_SPAN, 2, 2, 2, 4, 2])  # key 64n + 32r₂ + 16r₁ + 8r₀ + 2g + b
     ks = gl.permute(ks, (0, 4, 1, 2, 3, 5))
     ks, _ = gl.split(ks)  # b = 0
@@ -125,16 +140,6 @@ def _lane_k_scale(ks_smem, lane7: gl.constexpr, col_s: gl.constexpr, BLOCK_N: gl
     ks, _ = gl.split(ks)  # r₂ = 0
     ks = gl.convert_layout(ks, kl)
     return gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(ks, 0), 1), 2), 4), 6)
-
-
-@gluon.jit
-def _lane_scale(qs, ks_smem, lane7: gl.constexpr, col_s: gl.constexpr, BLOCK_N: gl.constexpr,
-                TOKEN_SCALES: gl.constexpr):
-    """The per-lane score scale of a key block: δQ·δK (per-thread groups), or δQ alone (unused: with
-    ``TOKEN_SCALES`` the softmax reads δK per key and δQ comes with the row's exp2 scale)."""
-    if not TOKEN_SCALES:
-        qs = qs * _lane_k_scale(ks_smem, lane7, col_s, BLOCK_N)
-    return qs
 
 
 @gluon.jit
@@ -202,17 +207,22 @@ def _publish(p_hat, p_smem):
 
 
 @gluon.jit
-def _section(j, WG: gl.constexpr, q_wg, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn,
-             n_blocks, qs, qk_scale, m_i, l_i, alpha, acc, zero_s, zero_o,
+def _section(j, WG: gl.constexpr, q_wg, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, KS_ptr,
+             k_row0, n_blocks, qs, ks_next, ks_after, qk_scale, m_i, l_i, alpha, acc, zero_s, zero_o,
              lane7: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SMOOTH_Q: gl.constexpr,
-             TOKEN_SCALES: gl.constexpr, PV_INT8: gl.constexpr, col_s: gl.constexpr, row_s: gl.constexpr,
-             row_o: gl.constexpr, p_op: gl.constexpr):
+             TOKEN_SCALES: gl.constexpr, PV_INT8: gl.constexpr, CAUSAL: gl.constexpr, col_s: gl.constexpr,
+             row_s: gl.constexpr, row_o: gl.constexpr, p_op: gl.constexpr):
     """Section j + 1 of a consumer: Q·K_{j+1} and P̃_j·V_j on its turn, softmax j + 1 (unmasked) under P̃_j·V_j,
     then ``acc = α_j acc + P̃_j·V_j``; returns the carried state. Block j is the program's j-th
     (:func:`_key_block`)."""
     OTHER: gl.constexpr = 1 - WG
     buf = j % STAGES
     nbuf = (j + 1) % STAGES
+    ks_cur = ks_next
+    if not TOKEN_SCALES and not CAUSAL:  # per-thread groups: this lane's δK two blocks ahead
+        ks_next = ks_after
+        ks_after = _lane_k_scale(KS_ptr, k_row0 + _key_block(j + 3, n_blocks) * BLOCK_N, lane7, BLOCK_N,
+                                 j + 3 < n_blocks)
     mbarrier.wait(k_ready.index(nbuf), ((j + 1) // STAGES) & 1)
     mbarrier.wait(v_ready.index(buf), (j // STAGES) & 1)
     mbarrier.wait(turn.index(WG), ((j + 1) & 1) ^ OTHER)
@@ -220,9 +230,10 @@ def _section(j, WG: gl.constexpr, q_wg, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_re
     r_tok = hopper.warpgroup_mma(p_s.index(2 * WG + j % 2), v_s.index(buf).permute((1, 0)), zero_o, use_acc=False,
                                  is_async=True)
     mbarrier.arrive(turn.index(OTHER))
-    scale = _lane_scale(qs, ks_s.index(nbuf), lane7, col_s, BLOCK_N, TOKEN_SCALES)  # read while Q·K_{j+1} runs
+    if CAUSAL and not TOKEN_SCALES:  # per-thread groups: this lane's δK from the ring, while Q·K_{j+1} runs
+        ks_cur = _lane_k_scale_ring(ks_s.index(nbuf), lane7, col_s, BLOCK_N)
     s_int = hopper.warpgroup_mma_wait(1, deps=[s_tok])
-    p_hat, alpha_next, m_i, l_i = _softmax_block(s_int, scale, ds_s.index(nbuf), ks_s.index(nbuf), qk_scale,
+    p_hat, alpha_next, m_i, l_i = _softmax_block(s_int, qs * ks_cur, ds_s.index(nbuf), ks_s.index(nbuf), qk_scale,
                                                  _key_block(j + 1, n_blocks) * BLOCK_N, m_i, l_i, None,
                                                  None, False, BLOCK_N, SMOOTH_Q, TOKEN_SCALES, PV_INT8, False, col_s,
                                                  row_s, p_op)
@@ -230,7 +241,7 @@ def _section(j, WG: gl.constexpr, q_wg, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_re
     r = hopper.warpgroup_mma_wait(0, deps=[r_tok])
     mbarrier.arrive(kv_empty.index(buf))  # K_j and V_j are done with: one arrival releases both
     acc = acc * gl.convert_layout(alpha, row_o)[:, None] + _block_pv(r)  # two-level: one block's P̂·V, then acc
-    return m_i, l_i, alpha_next, acc
+    return m_i, l_i, alpha_next, acc, ks_next, ks_after
 
 
 @gluon.jit
@@ -244,8 +255,8 @@ def _block_pv(r):
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
-              QS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
-              pid_bh, b, h, bh_kv, m0, n_blocks, NQ, NK, NQB, qk_scale,
+              QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
+              pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, Q_BLOCK: gl.constexpr, STAGES: gl.constexpr,
               SMOOTH_Q: gl.constexpr, SMOOTH_K: gl.constexpr, SMOOTH_V: gl.constexpr, RETURN_LSE: gl.constexpr,
               TOKEN_SCALES: gl.constexpr, PV_INT8: gl.constexpr, CAUSAL: gl.constexpr):
@@ -295,18 +306,26 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
     key0 = _key_block(0, n_blocks) * BLOCK_N
-    scale = _lane_scale(qs, ks_s.index(0), lane7, col_s, BLOCK_N, TOKEN_SCALES)
+    if CAUSAL:
+        scale = qs * _lane_k_scale_ring(ks_s.index(0), lane7, col_s, BLOCK_N)
+    else:
+        scale = qs * _lane_k_scale(KS_ptr, k_row0 + key0, lane7, BLOCK_N)
     p_hat, alpha, m_i, l_i = _softmax_block(s_int, scale, ds_s.index(0), ks_s.index(0), qk_scale, key0, m_i, l_i,
                                             last_key, first_max.index(0), WG == 0, BLOCK_N, SMOOTH_Q, TOKEN_SCALES,
                                             PV_INT8, True, col_s, row_s, p_op)
     _publish(p_hat, p_s.index(2 * WG))
     acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_mma)
+    ks_next = scale  # per-thread groups, not causal: δK two blocks ahead (causal: unused, δK comes from the ring)
+    ks_after = scale
+    if not CAUSAL:
+        ks_next = _lane_k_scale(KS_ptr, k_row0 + _key_block(1, n_blocks) * BLOCK_N, lane7, BLOCK_N, 1 < n_blocks)
+        ks_after = _lane_k_scale(KS_ptr, k_row0 + _key_block(2, n_blocks) * BLOCK_N, lane7, BLOCK_N, 2 < n_blocks)
     # sections 1 … n_blocks - 1 see only keys every row of the program may attend
     for j in range(n_blocks - 1):
-        m_i, l_i, alpha, acc = _section(
-            j, WG, q_wg, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, n_blocks, qs, qk_scale, m_i,
-            l_i, alpha, acc, zero_s, zero_o, lane7,
-            BLOCK_N, STAGES, SMOOTH_Q, TOKEN_SCALES, PV_INT8, col_s, row_s, row_o, p_op)
+        m_i, l_i, alpha, acc, ks_next, ks_after = _section(
+            j, WG, q_wg, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, KS_ptr, k_row0, n_blocks, qs,
+            ks_next, ks_after, qk_scale, m_i, l_i, alpha, acc, zero_s, zero_o, lane7,
+            BLOCK_N, STAGES, SMOOTH_Q, TOKEN_SCALES, PV_INT8, CAUSAL, col_s, row_s, row_o, p_op)
     # section n_blocks: P̂·V of the last block
     last = (n_blocks - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
@@ -346,7 +365,7 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready
 
 @gluon.jit
 def _attn_qk_int8_fwd_gluon(
-    Q_ptr, k_desc, vt_desc, ds_desc, ks_desc, QS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr,
+    Q_ptr, k_desc, vt_desc, ds_desc, ks_desc, QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr,
     stride_ob, stride_oh, stride_om,
     NQ, NK, NK_PAD, H, GROUP, NQB, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, Q_BLOCK: gl.constexpr,
@@ -405,17 +424,18 @@ def _attn_qk_int8_fwd_gluon(
         n_blocks = gl.minimum(gl.maximum(gl.cdiv(m0 + 2 * WG_ROWS + NK - NQ, BLOCK_N), 1), n_blocks)
     gl.warp_specialize([
         (_consumer, (0, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
-                     QS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
-                     pid_bh, b, h, bh_kv, m0, n_blocks, NQ, NK, NQB, qk_scale,
+                     QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
+                     pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
                      BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE, TOKEN_SCALES,
                      PV_INT8, CAUSAL)),
         (_consumer, (1, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
-                     QS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
-                     pid_bh, b, h, bh_kv, m0, n_blocks, NQ, NK, NQB, qk_scale,
+                     QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
+                     pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
                      BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE, TOKEN_SCALES,
                      PV_INT8, CAUSAL)),
         (_kv_producer, (k_desc, ds_desc, ks_desc, vt_desc, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty,
-                        k_row0, ds_row0, v_row0, n_blocks, BLOCK_N, HEAD_DIM, STAGES, SMOOTH_Q)),
+                        k_row0, ds_row0, v_row0, n_blocks, BLOCK_N, HEAD_DIM, STAGES, SMOOTH_Q,
+                        TOKEN_SCALES or CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_ready.index(i))
@@ -507,7 +527,8 @@ def attn_qk_int8_gluon(
     ds_desc = TensorDescriptor.from_tensor(x.delta_s.view(-1), [block_n], vec_layout) if smooth_q else ks_desc
     _LAUNCH(
         (cdiv(nq, BLOCK_M), b * h),
-        (x.q_hat, k_desc, vt_desc, ds_desc, ks_desc, x.q_scale, x.q_mean, x.k_mean, x.v_scale, x.v_mean, o, lse,
+        (x.q_hat, k_desc, vt_desc, ds_desc, ks_desc, x.q_scale, x.k_scale, x.q_mean, x.k_mean, x.v_scale, x.v_mean, o,
+         lse,
          o.stride(0), o.stride(1), o.stride(2),
          nq, nk, nk_pad, h, h // hkv, x.delta_s.shape[2] if smooth_q else 1, scale * LOG2E),
         dict(HEAD_DIM=d, BLOCK_N=block_n, Q_BLOCK=block_q,
