@@ -8,12 +8,12 @@ and K scales, P̂ = rne(127 P̃), INT8 P̂·V with an int32 accumulator per bloc
 public route is ``fast_paths.gluon_takes``.
 
 A program takes 128 query rows: two consumer warpgroups of 64 rows share one producer warp, which brings K
-(with ΔS, or int8-flash's per-token δK) and Vᵀ blocks by TMA into ``STAGES``-deep rings. Per-thread groups make
-δQ·δK one value a lane and 64-key span, so S costs one multiply-add an element (with ΔS). Each lane loads its δK
-two blocks ahead from global memory, or, causal, reads it from a ring the producer fills with K by TMA (as
-int8-flash's per-token δK): the ring ran causal calls 1.02–1.04× as fast at 4k–16k keys and non-causal ones
-0.97–0.98× (H200, session 20), so each keeps the faster. Scores stay in raw units (log₂e/√d is applied in the exp2's own multiply-add) and ΔS keeps its
-row constant q̄·K̄, which softmax does not see (only the LSE removes it).
+(with ΔS, and δK for int8-flash and causal calls) and Vᵀ blocks by TMA into ``STAGES``-deep rings. Per-thread
+groups make δQ·δK one value a lane and 64-key span, so S costs one multiply-add an element (with ΔS). Each lane
+loads its δK two blocks ahead from global memory, or, causal, reads it from the δK ring (as int8-flash reads its
+per-token δK): the ring ran causal calls 1.02–1.04× as fast at 4k–16k keys and non-causal ones 0.97–0.98× (H200,
+session 20), so each keeps the faster. Scores stay in raw units (log₂e/√d is applied in the exp2's own
+multiply-add) and ΔS keeps its row constant q̄·K̄, which softmax does not see (only the LSE removes it).
 
 A program takes its key blocks last first: the first is the only one with keys a row must not see (the tail, or,
 causal, the diagonal, which is one block because Nk - Nq is a multiple of 128), so it alone is masked and the loop
