@@ -63,9 +63,6 @@ Q_STATS_WARPS = 4  # launch 1 (H200, session 16: 8 warps 1.3–1.4× slower at 2
 # launch of the ΔS GEMM: query-block tiles of 64, or of 16 for calls of at most short_nqb query blocks (H200, session
 # 20, eval/probes/delta_s_launch.py: 16 is 1.3× as fast at 1k and 2k, even at 4k; 64 is 1.4× as fast from 8k on)
 DS_TUNING = dict(block_n=128, qb_tile=64, num_warps=4, num_stages=2, qb_tile_short=16, short_nqb=32)
-# the ΔS launch (latency-bound, ~2 TB/s) on a side stream, beside launch 3 (bandwidth-bound): they are independent
-DELTA_S_SIDE_STREAM = True
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 # --------------------------------------------------------------------------- jit helpers
@@ -484,14 +481,6 @@ class QuantizedQKV(NamedTuple):
     v_mean: torch.Tensor
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream of ``device`` for the ΔS launch (one per device, made on first use)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(index)
-    return _SIDE_STREAMS[index]
-
-
 def _delta_s_tile(pad_to: int) -> int:
     """Keys of a ΔS program (a divisor of every attention kernel's key block)."""
     return min(DS_TUNING["block_n"], pad_to)
@@ -636,23 +625,18 @@ def quantize_qkv(
         num_warps=Q_STATS_WARPS,
     )
 
-    # launch 2: ΔS_raw = q̄ · Kᵀ on the raw K (needs q̄ only); on the GPU beside launch 3, on a side stream that
-    # forks from the current one here and joins it before returning
+    # launch 2: ΔS_raw = q̄ · Kᵀ on the raw K (needs q̄ only)
     delta_s = torch.empty((b, h, nqb, nk_pad), **f32) if smooth_q else torch.empty(0, **f32)
-    side = _side_stream(dev) if smooth_q and DELTA_S_SIDE_STREAM and dev.type == "cuda" else None
     if smooth_q:
         ds_block = _delta_s_tile(pad_to)
         qb_tile = DS_TUNING["qb_tile_short"] if emulate or nqb <= DS_TUNING["short_nqb"] else DS_TUNING["qb_tile"]
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # None: the current stream
-            _DELTA_S_LAUNCH(
-                (cdiv(nk_pad, ds_block), b * hkv),
-                (k, q_mean, delta_s, k.stride(0), k.stride(1), k.stride(2), nk, nk_pad, hkv, h // hkv, nqb, nk - nq),
-                dict(HEAD_DIM=d, BLOCK_N=ds_block, QB_TILE=qb_tile, Q_BLOCK=block_q,
-                     K_BF16=k.dtype == torch.bfloat16, CAUSAL=is_causal, EMULATE=emulate),
-                num_warps=DS_TUNING["num_warps"], num_stages=DS_TUNING["num_stages"],
-            )
+        _DELTA_S_LAUNCH(
+            (cdiv(nk_pad, ds_block), b * hkv),
+            (k, q_mean, delta_s, k.stride(0), k.stride(1), k.stride(2), nk, nk_pad, hkv, h // hkv, nqb, nk - nq),
+            dict(HEAD_DIM=d, BLOCK_N=ds_block, QB_TILE=qb_tile, Q_BLOCK=block_q, K_BF16=k.dtype == torch.bfloat16,
+                 CAUSAL=is_causal, EMULATE=emulate),
+            num_warps=DS_TUNING["num_warps"], num_stages=DS_TUNING["num_stages"],
+        )
 
     # launch 3: K and V (needs the statistics of launch 1)
     k_hat = torch.empty((b, hkv, nk_pad, d), device=dev, dtype=qk_dtype)
@@ -667,8 +651,6 @@ def quantize_qkv(
              V_MODE=v_mode, V_FMT=v_fmt, V_QMAX=v_max, SMOOTH_V=smooth_v, V_KEY_ORDER=v_key_order, EMULATE=emulate),
         num_warps=4,
     )
-    if side is not None:  # k, q_mean and delta_s live past the join, so the allocator cannot hand them out early
-        torch.cuda.current_stream(dev).wait_stream(side)
     return QuantizedQKV(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean)
 
 

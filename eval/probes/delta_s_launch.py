@@ -2,9 +2,8 @@
 pass, non-causal and causal (causal calls skip the key tiles past each query block's diagonal), against tile
 variants of the same GEMM: the committed kernel (a program per 128 keys of a kv head, looping over query blocks)
 with other warps / query tiles, and a row-strip kernel (a program per query tile of a head, q̄ split once, looping
-over keys). Each variant's ΔS must equal the committed kernel's bit for bit where written. The whole pass is timed
-with the ΔS launch on its side stream and after launch 1 on the current one (``DELTA_S_SIDE_STREAM``). Needs a
-GPU; B=4, H=32, D=128, bf16, ``triton.testing.do_bench`` medians (L2 flushed), best of three alternating rounds.
+over keys). Each variant's ΔS must equal the committed kernel's bit for bit where written. Needs a GPU; B=4, H=32,
+D=128, bf16, ``triton.testing.do_bench`` medians (L2 flushed), best of three alternating rounds.
 
     python eval/probes/delta_s_launch.py [--seq-lens 8192 16384 32768]
 """
@@ -164,16 +163,10 @@ def main() -> None:
             nbytes = written.sum().item() * 4 * 4 * 32 + k.numel() * 2
             times = {name: [] for name in args.variants}
             times["quantize_qkv"] = []
-            times["quantize_qkv serial"] = []
             for rnd in range(3):
                 for name in (list(times) if rnd % 2 == 0 else list(times)[::-1]):
-                    if name.startswith("quantize_qkv"):
-                        def fn(side=name == "quantize_qkv"):
-                            qk_quant_triton.DELTA_S_SIDE_STREAM = side  # ΔS beside launch 3, or after launch 1
-                            try:
-                                qk_quant_triton.quantize_qkv(q, k, v, **options, is_causal=causal)
-                            finally:
-                                qk_quant_triton.DELTA_S_SIDE_STREAM = True
+                    if name == "quantize_qkv":
+                        fn = lambda: qk_quant_triton.quantize_qkv(q, k, v, **options, is_causal=causal)  # noqa: E731
                     else:
                         launch, qb_tile, warps, stages = VARIANTS[name]
                         ds = torch.full_like(x.delta_s, float("nan"))
@@ -190,7 +183,7 @@ def main() -> None:
                 if not ts:
                     continue
                 us = min(ts) * 1e3
-                rate = f"  {nbytes / us / 1e6:.2f} TB/s" if not name.startswith("quantize_qkv") else ""
+                rate = f"  {nbytes / us / 1e6:.2f} TB/s" if name != "quantize_qkv" else ""
                 print(f"N={n} causal={int(causal)} {name:22s} {us:9.1f} µs{rate}", flush=True)
 
 

@@ -316,39 +316,6 @@ def test_gpu_quantization_bit_exact(mode, nq, nk, d):
 
 @gpu
 @needs_cuda
-def test_gpu_delta_s_on_its_side_stream():
-    """The ΔS launch runs on a side stream beside launch 3 and joins the caller's stream before quantize_qkv
-    returns: the same bits as with it on the caller's stream, from a caller on a non-default stream, and replayed
-    from a CUDA graph (the side stream forks from and joins the capture)."""
-    from quantpatch.kernels import qk_quant_triton
-
-    q, k, v = _inputs(1000, 1000, d=128, batch=2, dtype=torch.bfloat16, kind="outliers", seed=4)
-    kw = _quant_kw("sage2-8b")
-    qk_quant_triton.DELTA_S_SIDE_STREAM = False
-    try:
-        want = qk_quant_triton.quantize_qkv(q, k, v, **kw)
-    finally:
-        qk_quant_triton.DELTA_S_SIDE_STREAM = True
-    caller = torch.cuda.Stream()
-    caller.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(caller):
-        got = qk_quant_triton.quantize_qkv(q, k, v, **kw)
-        qk_quant_triton.quantize_qkv(q, k, v, **kw)  # warm before the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=caller):
-            captured = qk_quant_triton.quantize_qkv(q, k, v, **kw)
-        for t in captured:
-            t.zero_()
-        graph.replay()
-    torch.cuda.current_stream().wait_stream(caller)
-    for out in (got, captured):
-        for name, a, b in zip(want._fields, want, out):
-            assert torch.equal(a.view(torch.int8) if a.element_size() == 1 else a,
-                               b.view(torch.int8) if b.element_size() == 1 else b), name
-
-
-@gpu
-@needs_cuda
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("nq, nk", GPU_SHAPES)
 @pytest.mark.parametrize("is_causal", [False, True])
