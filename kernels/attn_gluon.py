@@ -210,16 +210,17 @@ def _publish(p_hat, p_smem):
 def _section(j, WG: gl.constexpr, q_wg, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, KS_ptr,
              k_row0, n_blocks, qs, ks_next, ks_after, qk_scale, m_i, l_i, alpha, acc, zero_s, zero_o,
              lane7: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SMOOTH_Q: gl.constexpr,
-             TOKEN_SCALES: gl.constexpr, PV_INT8: gl.constexpr, CAUSAL: gl.constexpr, col_s: gl.constexpr,
+             TOKEN_SCALES: gl.constexpr, PV_INT8: gl.constexpr, LANE_DK_RING: gl.constexpr, col_s: gl.constexpr,
              row_s: gl.constexpr, row_o: gl.constexpr, p_op: gl.constexpr):
     """Section j + 1 of a consumer: Q·K_{j+1} and P̃_j·V_j on its turn, softmax j + 1 (unmasked) under P̃_j·V_j,
     then ``acc = α_j acc + P̃_j·V_j``; returns the carried state. Block j is the program's j-th
-    (:func:`_key_block`)."""
+    (:func:`_key_block`). ``LANE_DK_RING``: per-thread groups read δK from the ring (causal calls), else two blocks
+    ahead from global memory."""
     OTHER: gl.constexpr = 1 - WG
     buf = j % STAGES
     nbuf = (j + 1) % STAGES
     ks_cur = ks_next
-    if not TOKEN_SCALES and not CAUSAL:  # per-thread groups: this lane's δK two blocks ahead
+    if not TOKEN_SCALES and not LANE_DK_RING:  # per-thread groups: this lane's δK two blocks ahead
         ks_next = ks_after
         ks_after = _lane_k_scale(KS_ptr, k_row0 + _key_block(j + 3, n_blocks) * BLOCK_N, lane7, BLOCK_N,
                                  j + 3 < n_blocks)
@@ -230,7 +231,7 @@ def _section(j, WG: gl.constexpr, q_wg, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_re
     r_tok = hopper.warpgroup_mma(p_s.index(2 * WG + j % 2), v_s.index(buf).permute((1, 0)), zero_o, use_acc=False,
                                  is_async=True)
     mbarrier.arrive(turn.index(OTHER))
-    if CAUSAL and not TOKEN_SCALES:  # per-thread groups: this lane's δK from the ring, while Q·K_{j+1} runs
+    if LANE_DK_RING:  # this lane's δK from the ring, while Q·K_{j+1} runs
         ks_cur = _lane_k_scale_ring(ks_s.index(nbuf), lane7, col_s, BLOCK_N)
     s_int = hopper.warpgroup_mma_wait(1, deps=[s_tok])
     p_hat, alpha_next, m_i, l_i = _softmax_block(s_int, qs * ks_cur, ds_s.index(nbuf), ks_s.index(nbuf), qk_scale,
@@ -306,7 +307,8 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
     key0 = _key_block(0, n_blocks) * BLOCK_N
-    if CAUSAL:
+    LANE_DK_RING: gl.constexpr = CAUSAL and not TOKEN_SCALES  # H200: faster causal, slower non-causal (docstring)
+    if LANE_DK_RING:
         scale = qs * _lane_k_scale_ring(ks_s.index(0), lane7, col_s, BLOCK_N)
     else:
         scale = qs * _lane_k_scale(KS_ptr, k_row0 + key0, lane7, BLOCK_N)
@@ -315,9 +317,9 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready
                                             PV_INT8, True, col_s, row_s, p_op)
     _publish(p_hat, p_s.index(2 * WG))
     acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_mma)
-    ks_next = scale  # per-thread groups, not causal: δK two blocks ahead (causal: unused, δK comes from the ring)
+    ks_next = scale  # δK two blocks ahead (unused with LANE_DK_RING)
     ks_after = scale
-    if not CAUSAL:
+    if not LANE_DK_RING:
         ks_next = _lane_k_scale(KS_ptr, k_row0 + _key_block(1, n_blocks) * BLOCK_N, lane7, BLOCK_N, 1 < n_blocks)
         ks_after = _lane_k_scale(KS_ptr, k_row0 + _key_block(2, n_blocks) * BLOCK_N, lane7, BLOCK_N, 2 < n_blocks)
     # sections 1 … n_blocks - 1 see only keys every row of the program may attend
@@ -325,7 +327,7 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready
         m_i, l_i, alpha, acc, ks_next, ks_after = _section(
             j, WG, q_wg, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, KS_ptr, k_row0, n_blocks, qs,
             ks_next, ks_after, qk_scale, m_i, l_i, alpha, acc, zero_s, zero_o, lane7,
-            BLOCK_N, STAGES, SMOOTH_Q, TOKEN_SCALES, PV_INT8, CAUSAL, col_s, row_s, row_o, p_op)
+            BLOCK_N, STAGES, SMOOTH_Q, TOKEN_SCALES, PV_INT8, LANE_DK_RING, col_s, row_s, row_o, p_op)
     # section n_blocks: P̂·V of the last block
     last = (n_blocks - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
