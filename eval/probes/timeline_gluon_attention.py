@@ -51,18 +51,18 @@ EDITS = [  # (anchor, replacement[, times found]): once unless said
     ("    r = hopper.warpgroup_mma_wait(0, deps=[r_tok])\n    mbarrier.arrive(kv_empty.index(buf))",
      "    c5 = _clock(l_i)\n    r = hopper.warpgroup_mma_wait(0, deps=[r_tok])\n"
      "    mbarrier.arrive(kv_empty.index(buf))"),
-    ("    return m_i, l_i, alpha_next, acc\n",
+    ("    return m_i, l_i, alpha_next, acc, ks_next, ks_after\n",
      "    c6 = _clock(l_i)\n"
      "    t = (t[0] + (c1 - c0), t[1] + (c2 - c1), t[2] + (c3 - c2), t[3] + (c_max - c3), t[4] + (c_sum - c_max),\n"
      "         t[5] + (c4 - c_sum), t[6] + (c5 - c4), t[7] + (c6 - c5))\n"
-     "    return m_i, l_i, alpha_next, acc, t\n"),
+     "    return m_i, l_i, alpha_next, acc, ks_next, ks_after, t\n"),
     ("    p_hat, alpha, m_i, l_i = _softmax_block(", "    p_hat, alpha, m_i, l_i, c_max, c_sum = _softmax_block("),
-    ("    for j in range(n_blocks - 1):\n        m_i, l_i, alpha, acc = _section(",
+    ("    for j in range(n_blocks - 1):\n        m_i, l_i, alpha, acc, ks_next, ks_after = _section(",
      "    z = gl.zeros([WG_ROWS], gl.int32, layout=row_s)\n    t = (z, z, z, z, z, z, z, z)\n"
      "    c_start = _clock(l_i)\n"
-     "    for j in range(n_blocks - 1):\n        m_i, l_i, alpha, acc, t = _section("),
-    ("BLOCK_N, STAGES, SMOOTH_Q, TOKEN_SCALES, PV_INT8, col_s, row_s, row_o, p_op)\n",
-     "BLOCK_N, STAGES, SMOOTH_Q, TOKEN_SCALES, PV_INT8, col_s, row_s, row_o, p_op, t)\n"
+     "    for j in range(n_blocks - 1):\n        m_i, l_i, alpha, acc, ks_next, ks_after, t = _section("),
+    ("BLOCK_N, STAGES, SMOOTH_Q, TOKEN_SCALES, PV_INT8, LANE_DK_RING, col_s, row_s, row_o, p_op)\n",
+     "BLOCK_N, STAGES, SMOOTH_Q, TOKEN_SCALES, PV_INT8, LANE_DK_RING, col_s, row_s, row_o, p_op, t)\n"
      "    t_loop = _clock(l_i) - c_start\n"),
     ("    if RETURN_LSE:\n        ds_shift",
      "    slot = CLK_ptr + ((pid_bh * gl.num_programs(0) + gl.program_id(0)) * 2 + WG) * 10 + 0 * rows\n"
@@ -75,7 +75,7 @@ EDITS = [  # (anchor, replacement[, times found]): once unless said
     ("VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,\n              pid_bh",
      "VS_ptr, VM_ptr, O_ptr, LSE_ptr, CLK_ptr, stride_ob, stride_oh, stride_om,\n              pid_bh"),
     ("VS_ptr, VM_ptr, O_ptr, LSE_ptr,\n    stride_ob", "VS_ptr, VM_ptr, O_ptr, LSE_ptr, CLK_ptr,\n    stride_ob"),
-    ("x.v_scale, x.v_mean, o, lse,", "x.v_scale, x.v_mean, o, lse, CLK,"),
+    ("x.v_scale, x.v_mean, o,\n         lse,", "x.v_scale, x.v_mean, o,\n         lse, CLK,"),
     ("_LAUNCH = LaunchPlans(_attn_qk_int8_fwd_gluon)", "CLK = None\n_LAUNCH = LaunchPlans(_attn_qk_int8_fwd_gluon)"),
 ]
 
