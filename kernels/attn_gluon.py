@@ -65,15 +65,13 @@ PRODUCER_REGS = gl.constexpr(24)
 
 
 @gluon.jit
-def _kv_producer(q_desc, k_desc, ds_desc, ks_desc, vt_desc, q_s, k_s, ds_s, ks_s, v_s, q_ready, k_ready, v_ready,
-                 kv_empty, q_row0, k_row0, ds_row0, v_row0, n_blocks, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _kv_producer(k_desc, ds_desc, ks_desc, vt_desc, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty,
+                 k_row0, ds_row0, v_row0, n_blocks, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                  STAGES: gl.constexpr, SMOOTH_Q: gl.constexpr, DK_RING: gl.constexpr):
-    """Producer warp: the program's Q tile, then the t-th K block (int8 tile, ΔS, δK with ``DK_RING``) and Vᵀ block
-    (:func:`_key_block`) into stage ``t % STAGES`` by TMA once both consumers have released the stage (after their
-    P̂·V of block t - STAGES)."""
+    """Producer warp: the t-th K block (int8 tile, ΔS, δK with ``DK_RING``) and Vᵀ block (:func:`_key_block`) into
+    stage ``t % STAGES`` by TMA once both consumers have released the stage (after their P̂·V of block
+    t - STAGES)."""
     K_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM + BLOCK_N * 4 * (SMOOTH_Q + DK_RING)
-    mbarrier.expect(q_ready.index(0), q_s.shape[0] * HEAD_DIM)
-    tma_load(q_desc, [q_row0, 0], q_ready.index(0), q_s)
     for t in range(n_blocks):
         st = t % STAGES
         key0 = _key_block(t, n_blocks) * BLOCK_N
@@ -257,7 +255,7 @@ def _block_pv(r):
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, q_ready, k_ready, v_ready, kv_empty, turn, first_max,
+def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
               QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
               pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, Q_BLOCK: gl.constexpr, STAGES: gl.constexpr,
@@ -299,7 +297,6 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, q_ready, k_ready
     zero_o = gl.zeros([WG_ROWS, HEAD_DIM], gl.int32 if PV_INT8 else gl.float32, layout=o_mma)
 
     # section 0: Q·K_0, softmax 0 (causal: the masked diagonal block)
-    mbarrier.wait(q_ready.index(0), 0)
     mbarrier.wait(k_ready.index(0), 0)
     if WG == 1:  # warpgroup 1 starts once warpgroup 0 has its first row max (module docstring)
         mbarrier.wait(first_max.index(0), 0)
@@ -370,7 +367,7 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, q_ready, k_ready
 
 @gluon.jit
 def _attn_qk_int8_fwd_gluon(
-    QS_ptr, q_desc, k_desc, vt_desc, ds_desc, ks_desc, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr,
+    Q_ptr, k_desc, vt_desc, ds_desc, ks_desc, QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr,
     stride_ob, stride_oh, stride_om,
     NQ, NK, NK_PAD, H, GROUP, NQB, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, Q_BLOCK: gl.constexpr,
@@ -379,6 +376,8 @@ def _attn_qk_int8_fwd_gluon(
 ):
     """Program ``(q block of 128 rows, b·H + h)`` (causal: the last q block first, it has the most keys); launched
     with 4 warps (consumer 0), consumer 1 (4 warps) and the producer (1 warp) are the worker partitions."""
+    ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                        order=[1, 0])
     pid_m = gl.program_id(0)
     if CAUSAL:
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -388,10 +387,12 @@ def _attn_qk_int8_fwd_gluon(
     bh_kv = b * (H // GROUP) + h // GROUP
     m0 = pid_m * (2 * WG_ROWS)
 
-    # the program's Q tile (int8), brought by the producer with the first K block: rows past Nq are the next head's
-    # (or TMA's zeros), which only the rows not stored see
-    q_s = gl.allocate_shared_memory(gl.int8, [2 * WG_ROWS, HEAD_DIM], q_desc.layout)
-    q_row0 = pid_bh * NQ + m0
+    # the program's Q tile (int8) into shared memory once
+    rows_ld = m0 + gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, ld))
+    d_ld = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    q = gl.load(Q_ptr + (pid_bh.to(gl.int64) * NQ + rows_ld[:, None]) * HEAD_DIM + d_ld[None, :],
+                mask=rows_ld[:, None] < NQ, other=0)
+    q_s = gl.allocate_shared_memory(gl.int8, [2 * WG_ROWS, HEAD_DIM], k_desc.layout, q)
 
     k_row0 = bh_kv * NK_PAD  # key 0 of this kv head in the (B·Hkv·Nk_pad, D) view and the flat K scales
     v_row0 = bh_kv * HEAD_DIM  # channel 0 in the (B·Hkv·D, Nk_pad) view
@@ -408,7 +409,6 @@ def _attn_qk_int8_fwd_gluon(
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     first_max = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BLOCK_N), element_bitwidth=8, rank=2)
     p_s = gl.allocate_shared_memory(vt_desc.dtype, [4, WG_ROWS, BLOCK_N], p_layout)  # consumer c: 2c, 2c + 1
     for i in gl.static_range(STAGES):
@@ -418,27 +418,26 @@ def _attn_qk_int8_fwd_gluon(
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     mbarrier.init(first_max.index(0), count=1)
-    mbarrier.init(q_ready.index(0), count=1)
-    hopper.fence_async_shared()  # barrier inits before the async proxy uses them
+    hopper.fence_async_shared()  # Q tile and barrier inits before the async proxy reads them
 
     n_blocks = NK_PAD // BLOCK_N
     if CAUSAL:  # row r attends keys ≤ r + Nk - Nq, with Nk - Nq a multiple of BLOCK_N (the launcher checks): every
         # row of the program sees all keys before block (m0 + Nk - Nq) / BLOCK_N, the diagonal one and its last
         n_blocks = gl.minimum(gl.maximum(gl.cdiv(m0 + 2 * WG_ROWS + NK - NQ, BLOCK_N), 1), n_blocks)
     gl.warp_specialize([
-        (_consumer, (0, q_s, p_s, k_s, ds_s, ks_s, v_s, q_ready, k_ready, v_ready, kv_empty, turn, first_max,
+        (_consumer, (0, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
                      QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
                      pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
                      BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE, TOKEN_SCALES,
                      PV_INT8, CAUSAL)),
-        (_consumer, (1, q_s, p_s, k_s, ds_s, ks_s, v_s, q_ready, k_ready, v_ready, kv_empty, turn, first_max,
+        (_consumer, (1, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
                      QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
                      pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
                      BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE, TOKEN_SCALES,
                      PV_INT8, CAUSAL)),
-        (_kv_producer, (q_desc, k_desc, ds_desc, ks_desc, vt_desc, q_s, k_s, ds_s, ks_s, v_s, q_ready, k_ready,
-                        v_ready, kv_empty, q_row0, k_row0, ds_row0, v_row0, n_blocks, BLOCK_N, HEAD_DIM, STAGES,
-                        SMOOTH_Q, TOKEN_SCALES or CAUSAL)),
+        (_kv_producer, (k_desc, ds_desc, ks_desc, vt_desc, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty,
+                        k_row0, ds_row0, v_row0, n_blocks, BLOCK_N, HEAD_DIM, STAGES, SMOOTH_Q,
+                        TOKEN_SCALES or CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_ready.index(i))
@@ -447,7 +446,6 @@ def _attn_qk_int8_fwd_gluon(
     for i in gl.static_range(2):
         mbarrier.invalidate(turn.index(i))
     mbarrier.invalidate(first_max.index(0))
-    mbarrier.invalidate(q_ready.index(0))
 
 
 _LAUNCH = LaunchPlans(_attn_qk_int8_fwd_gluon)  # later calls of a shape skip JITFunction.run's host work
@@ -525,14 +523,13 @@ def attn_qk_int8_gluon(
     k_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     v_layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, block_n), element_bitwidth=8, rank=2)
     vec_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    q_desc = TensorDescriptor.from_tensor(x.q_hat.view(b * h * nq, d), [BLOCK_M, d], k_layout)
     k_desc = TensorDescriptor.from_tensor(x.k_hat.view(b * hkv * nk_pad, d), [block_n, d], k_layout)
     vt_desc = TensorDescriptor.from_tensor(v_t.view(b * hkv * d, nk_pad), [d, block_n], v_layout)
     ks_desc = TensorDescriptor.from_tensor(x.k_scale.view(-1), [block_n], vec_layout)
     ds_desc = TensorDescriptor.from_tensor(x.delta_s.view(-1), [block_n], vec_layout) if smooth_q else ks_desc
     _LAUNCH(
         (cdiv(nq, BLOCK_M), b * h),
-        (x.q_scale, q_desc, k_desc, vt_desc, ds_desc, ks_desc, x.k_scale, x.q_mean, x.k_mean, x.v_scale, x.v_mean, o,
+        (x.q_hat, k_desc, vt_desc, ds_desc, ks_desc, x.q_scale, x.k_scale, x.q_mean, x.k_mean, x.v_scale, x.v_mean, o,
          lse,
          o.stride(0), o.stride(1), o.stride(2),
          nq, nk, nk_pad, h, h // hkv, x.delta_s.shape[2] if smooth_q else 1, scale * LOG2E),

@@ -18,10 +18,10 @@ stages = int(args[1]) if len(args) > 1 else 4
 k_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 v_layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, block_n), element_bitwidth=8, rank=2)
 vec_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-types = dict(QS_ptr="*fp32", KS_ptr="*fp32", QM_ptr="*fp32", KM_ptr="*fp32", VS_ptr="*fp32",
+types = dict(Q_ptr="*i8", QS_ptr="*fp32", KS_ptr="*fp32", QM_ptr="*fp32", KM_ptr="*fp32", VS_ptr="*fp32",
              VM_ptr="*fp32", O_ptr="*bf16", LSE_ptr="*fp32", stride_ob="i64", stride_oh="i64", stride_om="i64",
              qk_scale="fp32",
-             q_desc=f"tensordesc<i8[128, 128],{k_layout!r}>", k_desc=f"tensordesc<i8[{block_n}, 128],{k_layout!r}>",
+             k_desc=f"tensordesc<i8[{block_n}, 128],{k_layout!r}>",
              vt_desc=f"tensordesc<{'i8' if int8_flash else 'fp8e4nv'}[128, {block_n}],{v_layout!r}>",
              ds_desc=f"tensordesc<fp32[{block_n}],{vec_layout!r}>",
              ks_desc=f"tensordesc<fp32[{block_n}],{vec_layout!r}>")
