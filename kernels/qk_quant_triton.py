@@ -35,7 +35,8 @@ Layouts written (all contiguous): ``q_hat (B, H, Nq, D)``, ``q_scale (B, H, Nq)`
 ``k_hat (B, Hkv, Nk_pad, D)``, ``k_scale (B, Hkv, Nk_pad)`` (pad rows are 0), ``v_hat_t
 (B, Hkv, D, Nk_pad)``: V transposed, tokens contiguous, because Hopper's 8-bit wgmma reads
 both operands K-major; ``delta_s (B, H, ceil(Nq / block_q), Nk_pad)`` = q̄ · Kᵀ (raw K), −inf at the pad
-columns (so a kernel adding ΔS needs no key mask). ``Nk_pad`` rounds Nk
+columns (so a kernel adding ΔS needs no key mask); causal calls write only the key tiles a causal kernel reads
+(``delta_s_written``). ``Nk_pad`` rounds Nk
 up to the attention kernel's key block so its loads need no masks.
 """
 

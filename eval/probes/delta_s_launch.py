@@ -1,11 +1,12 @@
 """GPU time of the ΔS launch (``qk_quant_triton._delta_s_kernel``, smooth Q's q̄ · Kᵀ) and of the whole quantization
 pass, non-causal and causal (causal calls skip the key tiles past each query block's diagonal), against tile
 variants of the same GEMM: the committed kernel (a program per 128 keys of a kv head, looping over query blocks)
-with other warps / query tiles, and a row-strip kernel (a program per query tile of a head, q̄ split once, looping
-over keys). Each variant's ΔS must equal the committed kernel's bit for bit where written. Needs a GPU; B=4, H=32,
-D=128, bf16, ``triton.testing.do_bench`` medians (L2 flushed), best of three alternating rounds.
+with other warps / query tiles, a row-strip kernel (a program per query tile of a head, q̄ split once, looping
+over keys), and the committed tiles with ΔS stored (and q̄ loaded) by TMA. Each variant's ΔS must equal the
+committed kernel's bit for bit where written. Needs a GPU; B=4, H=32, D=128, bf16, ``triton.testing.do_bench``
+medians (L2 flushed), best of three alternating rounds.
 
-    python eval/probes/delta_s_launch.py [--seq-lens 8192 16384 32768]
+    python eval/probes/delta_s_launch.py [--seq-lens 8192 16384 32768] [--variants NAME ...]
 """
 
 import argparse
