@@ -21,7 +21,7 @@ from quantpatch.kernels.fast_paths import GLUON_MIN_KEYS
 from quantpatch.metrics import rel_l1
 from quantpatch.synthetic import attention_inputs
 from tests.gpu import DEVICE, hopper, needs_cuda
-from tests.kernels.test_attention_triton import LSE_ATOL, NOISE_FACTOR
+from tests.kernels.test_attention_triton import LSE_ATOL, NOISE_FACTOR, nan_where_unwritten
 from tests.kernels.test_attention_triton import OUT_TOL as OUT_TOLS
 
 OUT_TOL = OUT_TOLS[torch.bfloat16]
@@ -50,7 +50,7 @@ def _operands(nq, nk, heads, kv_heads, mode="sage2-8b", smooth_q=True, seed=0, c
     reads there gives NaN)."""
     import quantpatch as qp
     from quantpatch.kernels import fast_paths
-    from quantpatch.kernels.qk_quant_triton import QuantizedQKV, delta_s_written
+    from quantpatch.kernels.qk_quant_triton import QuantizedQKV
 
     q, k, v = attention_inputs("outliers", batch=2, heads=heads, kv_heads=kv_heads, seq_q=nq, seq_k=nk,
                                head_dim=128, seed=seed)
@@ -58,11 +58,7 @@ def _operands(nq, nk, heads, kv_heads, mode="sage2-8b", smooth_q=True, seed=0, c
     cfg = qp.get_mode(mode).attention
     opts = fast_paths.quant_options(cfg) | (dict(smooth_q=smooth_q) if cfg.smooth_q else {})
     x = QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **opts, is_causal=causal))
-    if x.delta_s.numel():
-        written = delta_s_written(nq, nk, block_q=opts["block_q"], pad_to=opts["pad_to"], is_causal=causal,
-                                  device=x.delta_s.device)
-        x.delta_s[..., ~written] = float("nan")
-    return x, cfg, (q, k, v)
+    return nan_where_unwritten(x, nq, nk, opts, is_causal=causal), cfg, (q, k, v)
 
 
 SHAPES = [(1, 1), (113, 239), (1000, 1000), (239, 4096), (4096, 4096)]
