@@ -492,12 +492,12 @@ def delta_s_written(nq: int, nk: int, *, block_q: int, pad_to: int, is_causal: b
     """The entries ``(ceil(Nq / block_q), Nk_pad)`` of ``delta_s`` that :func:`quantize_qkv` writes (bool): all, or
     with ``is_causal`` a query block ``qb``'s key tiles (of ``min(128, pad_to)`` keys) that start before
     ``(qb + 1) · block_q + Nk − Nq``, every key block a bottom-right aligned causal kernel reads."""
-    tile = _delta_s_tile(pad_to)
     nk_pad = cdiv(nk, pad_to) * pad_to
+    if not is_causal:
+        return torch.ones(cdiv(nq, block_q), nk_pad, dtype=torch.bool, device=device)
+    tile = _delta_s_tile(pad_to)
     key0 = torch.arange(0, nk_pad, device=device) // tile * tile
     qb = torch.arange(cdiv(nq, block_q), device=device)
-    if not is_causal:
-        return torch.ones(qb.numel(), nk_pad, dtype=torch.bool, device=device)
     return key0[None, :] < (qb[:, None] + 1) * block_q + (nk - nq)
 
 
