@@ -7,13 +7,14 @@ and K scales, P̂ = rne(127 P̃), INT8 P̂·V with an int32 accumulator per bloc
 (bottom-right aligned, Nk - Nq a multiple of 128) or not, any Nq / Nk (tails masked), GQA, optional LSE. The
 public route is ``fast_paths.gluon_takes``.
 
-A program takes 128 query rows: two consumer warpgroups of 64 rows share one producer warp, which brings K
-(with ΔS, and δK for int8-flash and causal calls) and Vᵀ blocks by TMA into ``STAGES``-deep rings. Per-thread
-groups make δQ·δK one value a lane and 64-key span, so S costs one multiply-add an element (with ΔS). Each lane
-loads its δK two blocks ahead from global memory, or, causal, reads it from the δK ring (as int8-flash reads its
-per-token δK): the ring ran causal calls 1.02–1.04× as fast at 4k–16k keys and non-causal ones 0.97–0.98× (H200,
-session 20), so each keeps the faster. Scores stay in raw units (log₂e/√d is applied in the exp2's own
-multiply-add) and ΔS keeps its row constant q̄·K̄, which softmax does not see (only the LSE removes it).
+A program takes 128 query rows: two consumer warpgroups of 64 rows share one producer warp (the ping-pong schedule;
+the serial one below has three), which brings K (with ΔS, and δK for int8-flash and causal calls) and Vᵀ blocks by
+TMA into ``STAGES``-deep rings. Per-thread groups make δQ·δK one value a lane and 64-key span, so S costs one
+multiply-add an element (with ΔS). Each lane loads its δK two blocks ahead from global memory, or, causal, reads it
+from the δK ring (as int8-flash reads its per-token δK): the ring ran causal calls 1.02–1.04× as fast at 4k–16k
+keys and non-causal ones 0.97–0.98× (H200, session 20), so each keeps the faster. Scores stay in raw units (log₂e/√d
+is applied in the exp2's own multiply-add) and ΔS keeps its row constant q̄·K̄, which softmax does not see (only the
+LSE removes it).
 
 A program takes its key blocks last first: the first is the only one with keys a row must not see (the tail, or,
 causal, the diagonal, which is one block because Nk - Nq is a multiple of 128), so it alone is masked and the loop
@@ -35,11 +36,20 @@ Warpgroup 1 issues its first Q·K only once warpgroup 0 has the row max of its f
 ``first_max``). Started together, the two run their first softmaxes in step; staggered, the kernel ran
 1.03–1.04× as fast at 8k keys and 1.06–1.09× at 4k (H200, session 18, ``eval/probes/ab_gluon_attention.py``;
 re-staggering every 2, 8 or 32 blocks and making the exp2 phases take turns were slower).
+
+The serial schedule (``WARPGROUPS`` = 3, non-causal only) gives a program 192 query rows and three consumers at 160
+registers, too few to hold S, the accumulator and a block's P̂·V at once: each consumer runs Q·K_j, softmax j,
+P̂_j·V_j and the accumulator update in turn, and the other two warpgroups' work covers its waits (warpgroup w > 0
+starts once w − 1 has its first row max; δK and ΔS come from the ring, two ΔS rows a stage as 192 rows meet two
+query blocks). Three warps a scheduler instead of two hide more of the softmax's latency, which pays where the
+softmax is longest: int8-flash ran 1.05 / 1.06 / 1.09 / 1.09× as fast at 2k / 4k / 8k / 16k keys (4 stages, bits
+equal), sage2 0.94–0.96× (H200, session 21), so int8-flash's non-causal calls take it by default.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -55,23 +65,29 @@ from .gluon_compat import cta_barrier, tma_load
 from .qk_quant_triton import QuantizedQKV
 
 WG_ROWS = gl.constexpr(64)  # query rows of a consumer warpgroup (wgmma M)
-BLOCK_M = 128  # query rows of a program: two consumer warpgroups
+BLOCK_M = 128  # query rows of a program of two consumer warpgroups (the causal kernel's diagonal block)
 # SageAttention2's per-thread groups (App. A.6) as this kernel reads them: rows 16w + i and 16w + 8 + i share δQ
 # (query blocks with block_q / warps a multiple of 16), and within each aligned span of K_SPAN keys the keys
 # 8r + 2g + b of lane group g share δK (block_k a multiple of 64), so δQ·δK is one value a thread and span
 K_SPAN = gl.constexpr(64)
-CONSUMER_REGS = gl.constexpr(232)  # setmaxnreg: 2 · 128 · 232 + 128 · 24 ≤ 64 K
 PRODUCER_REGS = gl.constexpr(24)
 
 
 @gluon.jit
-def _kv_producer(k_desc, ds_desc, ks_desc, vt_desc, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty,
-                 k_row0, ds_row0, v_row0, n_blocks, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 STAGES: gl.constexpr, SMOOTH_Q: gl.constexpr, DK_RING: gl.constexpr):
-    """Producer warp: the t-th K block (int8 tile, ΔS, δK with ``DK_RING``) and Vᵀ block (:func:`_key_block`) into
-    stage ``t % STAGES`` by TMA once both consumers have released the stage (after their P̂·V of block
-    t - STAGES)."""
-    K_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM + BLOCK_N * 4 * (SMOOTH_Q + DK_RING)
+def _kv_producer(args, config: gl.constexpr):
+    """Producer warp: the t-th K block (int8 tile, the ΔS rows of the program's query blocks, ``ds_step`` apart, and
+    δK for whoever reads it from the ring) and Vᵀ block (:func:`_key_block`) into stage ``t % STAGES`` by TMA once
+    every consumer has released the stage (after its P̂·V of block t - STAGES)."""
+    k_desc, ds_desc, ks_desc, vt_desc, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, k_row0, ds_row0, ds_step, \
+        v_row0, n_blocks = args
+    BLOCK_N: gl.constexpr = config.BLOCK_N
+    HEAD_DIM: gl.constexpr = config.HEAD_DIM
+    STAGES: gl.constexpr = config.STAGES
+    SMOOTH_Q: gl.constexpr = config.SMOOTH_Q
+    DS_ROWS: gl.constexpr = _ds_rows(config.WARPGROUPS)
+    DK_RING: gl.constexpr = config.TOKEN_SCALES or _lane_dk_ring(config.CAUSAL, config.TOKEN_SCALES,
+                                                                 config.WARPGROUPS)
+    K_BYTES: gl.constexpr = BLOCK_N * HEAD_DIM + BLOCK_N * 4 * (DS_ROWS * SMOOTH_Q + DK_RING)
     for t in range(n_blocks):
         st = t % STAGES
         key0 = _key_block(t, n_blocks) * BLOCK_N
@@ -79,7 +95,8 @@ def _kv_producer(k_desc, ds_desc, ks_desc, vt_desc, k_s, ds_s, ks_s, v_s, k_read
         mbarrier.expect(k_ready.index(st), K_BYTES)
         tma_load(k_desc, [k_row0 + key0, 0], k_ready.index(st), k_s.index(st))
         if SMOOTH_Q:
-            tma_load(ds_desc, [ds_row0 + key0], k_ready.index(st), ds_s.index(st))
+            for r in gl.static_range(DS_ROWS):
+                tma_load(ds_desc, [ds_row0 + r * ds_step + key0], k_ready.index(st), ds_s.index(DS_ROWS * st + r))
         if DK_RING:
             tma_load(ks_desc, [k_row0 + key0], k_ready.index(st), ks_s.index(st))
         mbarrier.expect(v_ready.index(st), BLOCK_N * HEAD_DIM)
@@ -113,11 +130,47 @@ def _lane_scale_shape(block_n):
     return [4, 2, 8, block_n // span, span // 8, 4, 2]
 
 
+class _Config(NamedTuple):
+    """The kernel's compile-time switches, as one constexpr a partition takes (Gluon turns constexprs inside a tuple
+    of runtime values into tensors)."""
+    BLOCK_N: int
+    HEAD_DIM: int
+    Q_BLOCK: int
+    STAGES: int
+    SMOOTH_Q: bool
+    SMOOTH_K: bool
+    SMOOTH_V: bool
+    RETURN_LSE: bool
+    TOKEN_SCALES: bool
+    PV_INT8: bool
+    CAUSAL: bool
+    WARPGROUPS: int
+
+
 @triton.constexpr_function
-def _lane_dk_ring(causal, token_scales):
+def _pack(*values):
+    """:class:`_Config` of the kernel's constexpr values, in its field order."""
+    return _Config(*values)
+
+
+@triton.constexpr_function
+def _consumer_regs(warpgroups):
+    """setmaxnreg of a consumer warpgroup: ``warpgroups`` · 128 · regs + 128 · PRODUCER_REGS ≤ 64 K."""
+    return {2: 232, 3: 160}[warpgroups]
+
+
+@triton.constexpr_function
+def _ds_rows(warpgroups):
+    """ΔS rows (query blocks of ``block_q``, a multiple of 128) a program's rows meet: 192 rows meet two."""
+    return warpgroups - 1
+
+
+@triton.constexpr_function
+def _lane_dk_ring(causal, token_scales, warpgroups):
     """Whether per-thread groups (sage2) read their lane's δK from the ring rather than global memory: causal calls
-    only (H200, session 20: the ring ran causal calls 1.02–1.04× as fast, non-causal ones 0.97–0.98×)."""
-    return causal and not token_scales
+    and the serial schedule (H200: the ring ran causal calls 1.02–1.04× as fast, non-causal ones 0.97–0.98×, session
+    20; the serial schedule 1.05× as fast, session 21)."""
+    return (causal or warpgroups == 3) and not token_scales
 
 
 @triton.constexpr_function
@@ -260,6 +313,36 @@ def _section(j, WG: gl.constexpr, q_wg, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_re
 
 
 @gluon.jit
+def _serial_block(j, WG: gl.constexpr, q_wg, p_wg, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, first_max, qs,
+                  qk_scale, last_key, ds_row, n_blocks, m_i, l_i, acc, zero_s, zero_o, lane7: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SMOOTH_Q: gl.constexpr, TOKEN_SCALES: gl.constexpr,
+                  PV_INT8: gl.constexpr, DS_ROWS: gl.constexpr, MASKED: gl.constexpr, col_s: gl.constexpr,
+                  row_s: gl.constexpr, row_o: gl.constexpr, p_op: gl.constexpr):
+    """Block j of a consumer of the serial schedule (three warpgroups): Q·K_j, softmax j (``MASKED``: the first
+    block; warpgroup w > 0 starts it once w - 1 has its row max), P̂_j·V_j, ``acc = α_j acc + P̂_j·V_j``; the other
+    warpgroups' work covers each wait. δK (per-thread groups) and ΔS row ``ds_row`` come from the ring."""
+    buf = j % STAGES
+    mbarrier.wait(k_ready.index(buf), (j // STAGES) & 1)
+    if MASKED and WG > 0:
+        mbarrier.wait(first_max.index(WG - 1), 0)
+    s_tok = hopper.warpgroup_mma(q_wg, k_s.index(buf).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    scale = qs
+    if not TOKEN_SCALES:
+        scale = qs * _lane_k_scale_ring(ks_s.index(buf), lane7, col_s, BLOCK_N)
+    s_int = hopper.warpgroup_mma_wait(0, deps=[s_tok])
+    p_hat, alpha, m_i, l_i = _softmax_block(s_int, scale, ds_s.index(DS_ROWS * buf + ds_row), ks_s.index(buf),
+                                            qk_scale, _key_block(j, n_blocks) * BLOCK_N, m_i, l_i, last_key,
+                                            first_max.index(WG), MASKED and WG < 2, BLOCK_N, SMOOTH_Q, TOKEN_SCALES,
+                                            PV_INT8, MASKED, col_s, row_s, p_op)
+    _publish(p_hat, p_wg)
+    mbarrier.wait(v_ready.index(buf), (j // STAGES) & 1)
+    r_tok = hopper.warpgroup_mma(p_wg, v_s.index(buf).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+    r = hopper.warpgroup_mma_wait(0, deps=[r_tok])
+    mbarrier.arrive(kv_empty.index(buf))
+    return m_i, l_i, acc * gl.convert_layout(alpha, row_o)[:, None] + _block_pv(r)
+
+
+@gluon.jit
 def _block_pv(r):
     """A block's P̂·V̂ as fp32: the FP8 wgmma's already, the INT8 one's int32 converted (exact: |R| ≤ 127²·BLOCK_N
     < 2²⁴)."""
@@ -269,47 +352,14 @@ def _block_pv(r):
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
-              QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
-              pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
-              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, Q_BLOCK: gl.constexpr, STAGES: gl.constexpr,
-              SMOOTH_Q: gl.constexpr, SMOOTH_K: gl.constexpr, SMOOTH_V: gl.constexpr, RETURN_LSE: gl.constexpr,
-              TOKEN_SCALES: gl.constexpr, PV_INT8: gl.constexpr, CAUSAL: gl.constexpr):
-    """Consumer warpgroup ``WG`` (0 or 1): query rows ``m0 + 64 WG …`` over the program's ``n_blocks`` key blocks
-    (module docstring; causal: the diagonal block first, masked), then its rows of O (and LSE)."""
-    LOG2_PMAX: gl.constexpr = _log2_p_max(PV_INT8)
-    s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, BLOCK_N, 32])
-    o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, HEAD_DIM, 32])
-    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_mma, k_width=4)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_mma)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_mma)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_mma)
-    col_o: gl.constexpr = gl.SliceLayout(0, o_mma)
+def _pingpong_loop(WG: gl.constexpr, q_wg, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
+                   KS_ptr, k_row0, qs, qk_scale, last_key, n_blocks, zero_s, zero_o, lane7: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, SMOOTH_Q: gl.constexpr,
+                   TOKEN_SCALES: gl.constexpr, PV_INT8: gl.constexpr, CAUSAL: gl.constexpr, col_s: gl.constexpr,
+                   row_s: gl.constexpr, row_o: gl.constexpr, o_mma: gl.constexpr, p_op: gl.constexpr):
+    """The two-warpgroup schedule of consumer ``WG`` (module docstring): its running max, ℓ and accumulator after
+    the program's ``n_blocks`` key blocks."""
     OTHER: gl.constexpr = 1 - WG
-
-    r0 = m0 + WG * WG_ROWS
-    rows = r0 + gl.arange(0, WG_ROWS, layout=row_s)
-    if CAUSAL:  # bottom-right aligned: row r attends keys ≤ r + Nk - Nq
-        last_key = gl.minimum(rows + (NK - NQ), NK - 1)
-    else:
-        last_key = gl.full([WG_ROWS], NK - 1, gl.int32, layout=row_s)
-    # δQ · log2(e)/√d of each lane's rows (16w + i; 16w + 8 + i shares it), shaped (4, 1, 8, 1, 1, 1, 1) in lane7
-    lane7: gl.constexpr = gl.reshape(gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_mma),
-                                     _lane_scale_shape(BLOCK_N)).type.layout
-    ql: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5,
-                                      gl.SliceLayout(6, lane7)))))  # dims (0, 2): warp w, lane row i
-    q_rows = (r0 + 16 * gl.arange(0, 4, layout=gl.SliceLayout(1, ql))[:, None]
-              + gl.arange(0, 8, layout=gl.SliceLayout(0, ql))[None, :])
-    qs = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + q_rows, mask=q_rows < NQ, other=0.0)
-    qs = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qs, 1), 3), 4), 5), 6)
-    if TOKEN_SCALES:  # δQ of each row enters with the softmax scale (_softmax_block)
-        qk_scale = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + rows, mask=rows < NQ, other=1.0) * qk_scale
-    q_wg = q_s.slice(WG * WG_ROWS, WG_ROWS)
-    zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.int32, layout=s_mma)
-    zero_o = gl.zeros([WG_ROWS, HEAD_DIM], gl.int32 if PV_INT8 else gl.float32, layout=o_mma)
-
     # section 0: Q·K_0, softmax 0 (causal: the masked diagonal block)
     mbarrier.wait(k_ready.index(0), 0)
     if WG == 1:  # warpgroup 1 starts once warpgroup 0 has its first row max (module docstring)
@@ -321,7 +371,7 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
     key0 = _key_block(0, n_blocks) * BLOCK_N
-    LANE_DK_RING: gl.constexpr = _lane_dk_ring(CAUSAL, TOKEN_SCALES)
+    LANE_DK_RING: gl.constexpr = _lane_dk_ring(CAUSAL, TOKEN_SCALES, 2)
     if LANE_DK_RING:
         scale = qs * _lane_k_scale_ring(ks_s.index(0), lane7, col_s, BLOCK_N)
     else:
@@ -351,6 +401,93 @@ def _consumer(WG: gl.constexpr, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready
     mbarrier.arrive(turn.index(OTHER))
     r = hopper.warpgroup_mma_wait(0, deps=[r_tok])
     acc = acc * gl.convert_layout(alpha, row_o)[:, None] + _block_pv(r)
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _serial_loop(WG: gl.constexpr, q_wg, p_wg, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, first_max, qs,
+                 qk_scale, last_key, ds_row, n_blocks, zero_s, zero_o, lane7: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, SMOOTH_Q: gl.constexpr, TOKEN_SCALES: gl.constexpr,
+                 PV_INT8: gl.constexpr, col_s: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr,
+                 o_mma: gl.constexpr, p_op: gl.constexpr):
+    """The three-warpgroup schedule of consumer ``WG`` (module docstring), :func:`_serial_block` over the program's
+    ``n_blocks`` key blocks (the first masked); ``ds_row``: which of the stage's ΔS rows is this warpgroup's."""
+    DS_ROWS: gl.constexpr = _ds_rows(3)
+    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
+    acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_mma)
+    m_i, l_i, acc = _serial_block(0, WG, q_wg, p_wg, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, first_max, qs,
+                                  qk_scale, last_key, ds_row, n_blocks, m_i, l_i, acc, zero_s, zero_o, lane7, BLOCK_N,
+                                  STAGES, SMOOTH_Q, TOKEN_SCALES, PV_INT8, DS_ROWS, True, col_s, row_s, row_o, p_op)
+    for j in range(1, n_blocks):
+        m_i, l_i, acc = _serial_block(j, WG, q_wg, p_wg, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, first_max,
+                                      qs, qk_scale, last_key, ds_row, n_blocks, m_i, l_i, acc, zero_s, zero_o, lane7,
+                                      BLOCK_N, STAGES, SMOOTH_Q, TOKEN_SCALES, PV_INT8, DS_ROWS, False, col_s, row_s,
+                                      row_o, p_op)
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, shared, tensors, where, config: gl.constexpr):
+    """Consumer warpgroup ``WG`` (of ``WARPGROUPS``): query rows ``m0 + 64 WG …`` over the program's ``n_blocks`` key
+    blocks (module docstring; causal: the diagonal block first, masked), then its rows of O (and LSE). The kernel
+    passes its shared-memory buffers, tensors, program coordinates and configuration as four tuples."""
+    q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, first_max = shared
+    QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om = tensors
+    pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale = where
+    BLOCK_N: gl.constexpr = config.BLOCK_N
+    HEAD_DIM: gl.constexpr = config.HEAD_DIM
+    Q_BLOCK: gl.constexpr = config.Q_BLOCK
+    STAGES: gl.constexpr = config.STAGES
+    SMOOTH_Q: gl.constexpr = config.SMOOTH_Q
+    SMOOTH_K: gl.constexpr = config.SMOOTH_K
+    SMOOTH_V: gl.constexpr = config.SMOOTH_V
+    RETURN_LSE: gl.constexpr = config.RETURN_LSE
+    TOKEN_SCALES: gl.constexpr = config.TOKEN_SCALES
+    PV_INT8: gl.constexpr = config.PV_INT8
+    CAUSAL: gl.constexpr = config.CAUSAL
+    WARPGROUPS: gl.constexpr = config.WARPGROUPS
+    LOG2_PMAX: gl.constexpr = _log2_p_max(PV_INT8)
+    s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_N, 32])
+    o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, HEAD_DIM, 32])
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_mma, k_width=4)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_mma)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_mma)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_mma)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_mma)
+    r0 = m0 + WG * WG_ROWS
+    rows = r0 + gl.arange(0, WG_ROWS, layout=row_s)
+    if CAUSAL:  # bottom-right aligned: row r attends keys ≤ r + Nk - Nq
+        last_key = gl.minimum(rows + (NK - NQ), NK - 1)
+    else:
+        last_key = gl.full([WG_ROWS], NK - 1, gl.int32, layout=row_s)
+    # δQ · log2(e)/√d of each lane's rows (16w + i; 16w + 8 + i shares it), shaped (4, 1, 8, 1, 1, 1, 1) in lane7
+    lane7: gl.constexpr = gl.reshape(gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_mma),
+                                     _lane_scale_shape(BLOCK_N)).type.layout
+    ql: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5,
+                                      gl.SliceLayout(6, lane7)))))  # dims (0, 2): warp w, lane row i
+    q_rows = (r0 + 16 * gl.arange(0, 4, layout=gl.SliceLayout(1, ql))[:, None]
+              + gl.arange(0, 8, layout=gl.SliceLayout(0, ql))[None, :])
+    qs = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + q_rows, mask=q_rows < NQ, other=0.0)
+    qs = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qs, 1), 3), 4), 5), 6)
+    if TOKEN_SCALES:  # δQ of each row enters with the softmax scale (_softmax_block)
+        qk_scale = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + rows, mask=rows < NQ, other=1.0) * qk_scale
+    q_wg = q_s.index(WG)
+    zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.int32, layout=s_mma)
+    zero_o = gl.zeros([WG_ROWS, HEAD_DIM], gl.int32 if PV_INT8 else gl.float32, layout=o_mma)
+
+    if WARPGROUPS == 3:
+        m_i, l_i, acc = _serial_loop(WG, q_wg, p_s.index(WG), k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty,
+                                     first_max, qs, qk_scale, last_key, r0 // Q_BLOCK - m0 // Q_BLOCK, n_blocks, zero_s,
+                                     zero_o, lane7, BLOCK_N, HEAD_DIM, STAGES, SMOOTH_Q, TOKEN_SCALES, PV_INT8, col_s,
+                                     row_s, row_o, o_mma, p_op)
+    else:
+        m_i, l_i, acc = _pingpong_loop(WG, q_wg, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn,
+                                       first_max, KS_ptr, k_row0, qs, qk_scale, last_key, n_blocks, zero_s, zero_o,
+                                       lane7, BLOCK_N, HEAD_DIM, STAGES, SMOOTH_Q, TOKEN_SCALES, PV_INT8, CAUSAL,
+                                       col_s, row_s, row_o, o_mma, p_op)
 
     # acc is in units of P_MAX·V̂ and ℓ in units of P_MAX: the two cancel
     d_o = gl.arange(0, HEAD_DIM, layout=col_o)
@@ -387,9 +524,11 @@ def _attn_qk_int8_fwd_gluon(
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, Q_BLOCK: gl.constexpr,
     SMOOTH_Q: gl.constexpr, SMOOTH_K: gl.constexpr, SMOOTH_V: gl.constexpr, RETURN_LSE: gl.constexpr,
     STAGES: gl.constexpr, TOKEN_SCALES: gl.constexpr, PV_INT8: gl.constexpr, CAUSAL: gl.constexpr,
+    WARPGROUPS: gl.constexpr,
 ):
-    """Program ``(q block of 128 rows, b·H + h)`` (causal: the last q block first, it has the most keys); launched
-    with 4 warps (consumer 0), consumer 1 (4 warps) and the producer (1 warp) are the worker partitions."""
+    """Program ``(q block of 64 · WARPGROUPS rows, b·H + h)`` (causal: the last q block first, it has the most keys);
+    launched with 4 warps (consumer 0), the other consumers (4 warps each) and the producer (1 warp) are the worker
+    partitions."""
     ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                         order=[1, 0])
     pid_m = gl.program_id(0)
@@ -399,67 +538,75 @@ def _attn_qk_int8_fwd_gluon(
     b = pid_bh // H
     h = pid_bh % H
     bh_kv = b * (H // GROUP) + h // GROUP
-    m0 = pid_m * (2 * WG_ROWS)
+    m0 = pid_m * (WARPGROUPS * WG_ROWS)
 
-    # the program's Q tile (int8) into shared memory once
-    rows_ld = m0 + gl.arange(0, 2 * WG_ROWS, layout=gl.SliceLayout(1, ld))
+    # the program's Q tile (int8) into shared memory once, a warpgroup's rows apiece
     d_ld = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
-    q = gl.load(Q_ptr + (pid_bh.to(gl.int64) * NQ + rows_ld[:, None]) * HEAD_DIM + d_ld[None, :],
-                mask=rows_ld[:, None] < NQ, other=0)
-    q_s = gl.allocate_shared_memory(gl.int8, [2 * WG_ROWS, HEAD_DIM], k_desc.layout, q)
+    q_s = gl.allocate_shared_memory(gl.int8, [WARPGROUPS, WG_ROWS, HEAD_DIM], k_desc.layout)
+    for i in gl.static_range(WARPGROUPS):
+        rows_ld = m0 + i * WG_ROWS + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, ld))
+        q_s.index(i).store(gl.load(Q_ptr + (pid_bh.to(gl.int64) * NQ + rows_ld[:, None]) * HEAD_DIM + d_ld[None, :],
+                                   mask=rows_ld[:, None] < NQ, other=0))
 
     k_row0 = bh_kv * NK_PAD  # key 0 of this kv head in the (B·Hkv·Nk_pad, D) view and the flat K scales
     v_row0 = bh_kv * HEAD_DIM  # channel 0 in the (B·Hkv·D, Nk_pad) view
-    ds_row0 = (pid_bh * NQB + m0 // Q_BLOCK) * NK_PAD  # this q block's ΔS row (flat)
+    ds_row0 = (pid_bh * NQB + m0 // Q_BLOCK) * NK_PAD  # the first q block's ΔS row (flat)
+    ds_step = gl.where(m0 // Q_BLOCK + 1 < NQB, NK_PAD, 0)  # to the next one's (three warpgroups: the rows meet two)
 
-    # per stage a "ready" mbarrier for K and one for Vᵀ (TMA bytes landed), and an "empty" one (both consumers are
-    # done with the block: K is held one iteration past its use, so that one arrival releases K and V)
+    # per stage a "ready" mbarrier for K and one for Vᵀ (TMA bytes landed), and an "empty" one (every consumer is
+    # done with the block: K is held past its use, so that one arrival releases K and V)
+    DS_ROWS: gl.constexpr = _ds_rows(WARPGROUPS)
     k_s = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    ds_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ds_desc.layout)
+    ds_s = gl.allocate_shared_memory(gl.float32, [DS_ROWS * STAGES, BLOCK_N], ds_desc.layout)
     ks_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ks_desc.layout)
     v_s = gl.allocate_shared_memory(vt_desc.dtype, [STAGES, HEAD_DIM, BLOCK_N], vt_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    first_max = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    first_max = gl.allocate_shared_memory(gl.int64, [WARPGROUPS - 1, 1], mbarrier.MBarrierLayout())
     p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BLOCK_N), element_bitwidth=8, rank=2)
-    p_s = gl.allocate_shared_memory(vt_desc.dtype, [4, WG_ROWS, BLOCK_N], p_layout)  # consumer c: 2c, 2c + 1
+    # P̂ buffers: consumer c's are 2c and 2c + 1 (two warpgroups), c (three)
+    p_s = gl.allocate_shared_memory(vt_desc.dtype, [4, WG_ROWS, BLOCK_N], p_layout)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # one arrival a consumer
+        mbarrier.init(kv_empty.index(i), count=WARPGROUPS)  # one arrival a consumer
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
-    mbarrier.init(first_max.index(0), count=1)
+    for i in gl.static_range(WARPGROUPS - 1):
+        mbarrier.init(first_max.index(i), count=1)
     hopper.fence_async_shared()  # Q tile and barrier inits before the async proxy reads them
 
     n_blocks = NK_PAD // BLOCK_N
     if CAUSAL:  # row r attends keys ≤ r + Nk - Nq, with Nk - Nq a multiple of BLOCK_N (the launcher checks): every
         # row of the program sees all keys before block (m0 + Nk - Nq) / BLOCK_N, the diagonal one and its last
-        n_blocks = gl.minimum(gl.maximum(gl.cdiv(m0 + 2 * WG_ROWS + NK - NQ, BLOCK_N), 1), n_blocks)
-    gl.warp_specialize([
-        (_consumer, (0, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
-                     QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
-                     pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
-                     BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE, TOKEN_SCALES,
-                     PV_INT8, CAUSAL)),
-        (_consumer, (1, q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, first_max,
-                     QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,
-                     pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale,
-                     BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE, TOKEN_SCALES,
-                     PV_INT8, CAUSAL)),
-        (_kv_producer, (k_desc, ds_desc, ks_desc, vt_desc, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty,
-                        k_row0, ds_row0, v_row0, n_blocks, BLOCK_N, HEAD_DIM, STAGES, SMOOTH_Q,
-                        TOKEN_SCALES or _lane_dk_ring(CAUSAL, TOKEN_SCALES))),  # whoever reads the δK ring
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        n_blocks = gl.minimum(gl.maximum(gl.cdiv(m0 + WARPGROUPS * WG_ROWS + NK - NQ, BLOCK_N), 1), n_blocks)
+    shared = (q_s, p_s, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, turn, first_max)
+    tensors = (QS_ptr, KS_ptr, QM_ptr, KM_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om)
+    where = (pid_bh, b, h, bh_kv, m0, k_row0, n_blocks, NQ, NK, NQB, qk_scale)
+    config: gl.constexpr = _pack(BLOCK_N, HEAD_DIM, Q_BLOCK, STAGES, SMOOTH_Q, SMOOTH_K, SMOOTH_V, RETURN_LSE,
+                                 TOKEN_SCALES, PV_INT8, CAUSAL, WARPGROUPS)
+    producer = (k_desc, ds_desc, ks_desc, vt_desc, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, k_row0, ds_row0,
+                ds_step, v_row0, n_blocks)
+    REGS: gl.constexpr = _consumer_regs(WARPGROUPS)
+    if WARPGROUPS == 3:
+        gl.warp_specialize([(_consumer, (0, shared, tensors, where, config)),
+                            (_consumer, (1, shared, tensors, where, config)),
+                            (_consumer, (2, shared, tensors, where, config)), (_kv_producer, (producer, config))],
+                           [4, 4, 1], [REGS, REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_consumer, (0, shared, tensors, where, config)),
+                            (_consumer, (1, shared, tensors, where, config)), (_kv_producer, (producer, config))],
+                           [4, 1], [REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_ready.index(i))
         mbarrier.invalidate(v_ready.index(i))
         mbarrier.invalidate(kv_empty.index(i))
     for i in gl.static_range(2):
         mbarrier.invalidate(turn.index(i))
-    mbarrier.invalidate(first_max.index(0))
+    for i in gl.static_range(WARPGROUPS - 1):
+        mbarrier.invalidate(first_max.index(i))
 
 
 _LAUNCH = LaunchPlans(_attn_qk_int8_fwd_gluon)  # later calls of a shape skip JITFunction.run's host work
@@ -494,7 +641,8 @@ def attn_qk_int8_gluon(
     out_dtype: torch.dtype = torch.bfloat16,
     block_q: int = 128,
     block_n: int = 128,
-    stages: int = 3,
+    stages: int | None = None,
+    warpgroups: int | None = None,
     v_keys_permuted: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sage2 or int8-flash attention (causal: bottom-right aligned, as the reference, with Nk - Nq a multiple of
@@ -506,8 +654,11 @@ def attn_qk_int8_gluon(
     a multiple of 16, ``block_k`` of 64: :data:`K_SPAN`; ``fast_paths.gluon_takes`` checks it), which the kernel
     reads as one δQ·δK a lane; ``"token"``: one scale a token (int8-flash), δK brought with K by TMA.
 
-    ``stages``: depth of the K/Vᵀ ring; 3 ran 1.02 / 1.04 / 1.05× as fast as 4 at 8k / 16k / 32k keys and as fast at
-    2k–4k (H200, session 18; 2: 0.72–0.75×, 5: slower than 4).
+    ``warpgroups``: consumer warpgroups of a program, 2 (the ping-pong schedule, 128 query rows) or 3 (the serial
+    one, 192 rows, non-causal only); by default 3 for int8-flash's non-causal calls and 2 for the rest (module
+    docstring). ``stages``: depth of the K/Vᵀ ring, by default 3 with two warpgroups (1.02 / 1.04 / 1.05× as fast as
+    4 at 8k / 16k / 32k keys, as fast at 2k–4k; 2: 0.72–0.75×, 5: slower than 4; H200, session 18) and 4 with three
+    (int8-flash 1.01–1.02× as fast as 3 at 2k–16k; H200, session 21).
     ``v_keys_permuted``: ``x.v_hat_t`` with its keys in :func:`wgmma_key_order` if the caller has it
     (``quantize_qkv(..., v_key_order=True)``); else :func:`permute_v_keys` makes it here (an extra pass).
     Returns ``o (B, H, Nq, D)`` in ``out_dtype`` and ``lse (B, H, Nq)`` (empty unless asked), as
@@ -524,6 +675,13 @@ def attn_qk_int8_gluon(
         raise ValueError(f"qk_granularity={qk_granularity!r}: the kernel reads per-thread or per-token scales")
     if nk_pad % block_n or block_q % BLOCK_M:
         raise ValueError(f"Nk_pad={nk_pad} must be a multiple of block_n={block_n}, block_q={block_q} of {BLOCK_M}")
+    if warpgroups is None:
+        warpgroups = 3 if pv_int8 and not is_causal else 2
+    if warpgroups not in (2, 3) or (warpgroups == 3 and is_causal):
+        raise ValueError(f"warpgroups={warpgroups}: 2, or 3 for non-causal calls (a causal program's diagonal must be "
+                         "one key block)")
+    if stages is None:
+        stages = 4 if warpgroups == 3 else 3
     if is_causal and ((nk - nq) % BLOCK_M or block_n != BLOCK_M):
         raise ValueError(f"causal calls need Nk - Nq (= {nk - nq}) a multiple of {BLOCK_M} and block_n={BLOCK_M}: "
                          "the diagonal must be one key block of each program")
@@ -542,14 +700,15 @@ def attn_qk_int8_gluon(
     ks_desc = TensorDescriptor.from_tensor(x.k_scale.view(-1), [block_n], vec_layout)
     ds_desc = TensorDescriptor.from_tensor(x.delta_s.view(-1), [block_n], vec_layout) if smooth_q else ks_desc
     _LAUNCH(
-        (cdiv(nq, BLOCK_M), b * h),
+        (cdiv(nq, warpgroups * WG_ROWS.value), b * h),
         (x.q_hat, k_desc, vt_desc, ds_desc, ks_desc, x.q_scale, x.k_scale, x.q_mean, x.k_mean, x.v_scale, x.v_mean, o,
          lse,
          o.stride(0), o.stride(1), o.stride(2),
          nq, nk, nk_pad, h, h // hkv, x.delta_s.shape[2] if smooth_q else 1, scale * LOG2E),
         dict(HEAD_DIM=d, BLOCK_N=block_n, Q_BLOCK=block_q,
              SMOOTH_Q=smooth_q, SMOOTH_K=x.k_mean.numel() > 0, SMOOTH_V=x.v_mean.numel() > 0, RETURN_LSE=return_lse,
-             STAGES=stages, TOKEN_SCALES=qk_granularity == "token", PV_INT8=pv_int8, CAUSAL=is_causal),
+             STAGES=stages, TOKEN_SCALES=qk_granularity == "token", PV_INT8=pv_int8, CAUSAL=is_causal,
+             WARPGROUPS=warpgroups),
         num_warps=4,
     )
     return o, lse

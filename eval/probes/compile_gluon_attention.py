@@ -1,7 +1,8 @@
 """Compile ``kernels/attn_gluon.py`` for sm_90 without a GPU (Triton 3.6 in a CPU venv) and print its wgmma /
 wait sequence, registers, spills, shared memory, barrier count and ptxas advisories:
-``python eval/probes/compile_gluon_attention.py [BLOCK_N] [STAGES] [DUMP] [--causal] [--int8-flash]`` (defaults 128 4;
-DUMP: also write DUMP.ptx and DUMP.sass; ``--int8-flash``: per-token scales, INT8 P̂·V, no smoothing)."""
+``python eval/probes/compile_gluon_attention.py [BLOCK_N] [STAGES] [DUMP] [--causal] [--int8-flash] [--serial]``
+(defaults 128 4; DUMP: also write DUMP.ptx and DUMP.sass; ``--int8-flash``: per-token scales, INT8 P̂·V, no
+smoothing; ``--serial``: the three-warpgroup schedule)."""
 
 import sys
 
@@ -12,6 +13,7 @@ from quantpatch.kernels.attn_gluon import _attn_qk_int8_fwd_gluon as kernel
 
 causal = "--causal" in sys.argv
 int8_flash = "--int8-flash" in sys.argv
+warpgroups = 3 if "--serial" in sys.argv else 2
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 block_n = int(args[0]) if len(args) > 0 else 128
 stages = int(args[1]) if len(args) > 1 else 4
@@ -27,7 +29,8 @@ types = dict(Q_ptr="*i8", QS_ptr="*fp32", KS_ptr="*fp32", QM_ptr="*fp32", KM_ptr
              ks_desc=f"tensordesc<fp32[{block_n}],{vec_layout!r}>")
 smooth = not int8_flash
 constexprs = dict(HEAD_DIM=128, BLOCK_N=block_n, Q_BLOCK=128, SMOOTH_Q=smooth, SMOOTH_K=smooth, SMOOTH_V=smooth,
-                  RETURN_LSE=True, STAGES=stages, TOKEN_SCALES=int8_flash, PV_INT8=int8_flash, CAUSAL=causal)
+                  RETURN_LSE=True, STAGES=stages, TOKEN_SCALES=int8_flash, PV_INT8=int8_flash, CAUSAL=causal,
+                  WARPGROUPS=warpgroups)
 aligned = [n for n in kernel.arg_names if n.endswith("_ptr")] + ["stride_ob", "stride_oh", "stride_om", "NK_PAD"]
 compiled = compile_sm90(kernel, types, constexprs, aligned, num_warps=4)
 ptx, sass, usage, ptxas = inspect_binary(compiled, args[2] if len(args) > 2 else None)

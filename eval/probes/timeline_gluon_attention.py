@@ -48,15 +48,16 @@ EDITS = [  # (anchor, replacement[, times found]): once unless said
      "    p_hat, alpha_next, m_i, l_i, c_max, c_sum = _softmax_block("),
     ("    _publish(p_hat, p_s.index(2 * WG + (j + 1) % 2))",
      "    c4 = _clock(l_i)\n    _publish(p_hat, p_s.index(2 * WG + (j + 1) % 2))"),
-    ("    r = hopper.warpgroup_mma_wait(0, deps=[r_tok])\n    mbarrier.arrive(kv_empty.index(buf))",
+    ("    r = hopper.warpgroup_mma_wait(0, deps=[r_tok])\n    mbarrier.arrive(kv_empty.index(buf))  # K_j",
      "    c5 = _clock(l_i)\n    r = hopper.warpgroup_mma_wait(0, deps=[r_tok])\n"
-     "    mbarrier.arrive(kv_empty.index(buf))"),
+     "    mbarrier.arrive(kv_empty.index(buf))  # K_j"),
     ("    return m_i, l_i, alpha_next, acc, ks_next, ks_after\n",
      "    c6 = _clock(l_i)\n"
      "    t = (t[0] + (c1 - c0), t[1] + (c2 - c1), t[2] + (c3 - c2), t[3] + (c_max - c3), t[4] + (c_sum - c_max),\n"
      "         t[5] + (c4 - c_sum), t[6] + (c5 - c4), t[7] + (c6 - c5))\n"
      "    return m_i, l_i, alpha_next, acc, ks_next, ks_after, t\n"),
-    ("    p_hat, alpha, m_i, l_i = _softmax_block(", "    p_hat, alpha, m_i, l_i, c_max, c_sum = _softmax_block("),
+    ("    p_hat, alpha, m_i, l_i = _softmax_block(s_int, scale, ds_s.index(0),",
+     "    p_hat, alpha, m_i, l_i, c_max, c_sum = _softmax_block(s_int, scale, ds_s.index(0),"),
     ("    for j in range(n_blocks - 1):\n        m_i, l_i, alpha, acc, ks_next, ks_after = _section(",
      "    z = gl.zeros([WG_ROWS], gl.int32, layout=row_s)\n    t = (z, z, z, z, z, z, z, z)\n"
      "    c_start = _clock(l_i)\n"
@@ -70,10 +71,13 @@ EDITS = [  # (anchor, replacement[, times found]): once unless said
      "    gl.store(slot + 8, t_loop, mask=rows == r0)\n"
      "    gl.store(slot + 9, 0 * rows + n_blocks - 1, mask=rows == r0)\n"
      "    if RETURN_LSE:\n        ds_shift"),
-    ("VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,\n                     pid_bh",
-     "VS_ptr, VM_ptr, O_ptr, LSE_ptr, CLK_ptr, stride_ob, stride_oh, stride_om,\n                     pid_bh", 2),
-    ("VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om,\n              pid_bh",
-     "VS_ptr, VM_ptr, O_ptr, LSE_ptr, CLK_ptr, stride_ob, stride_oh, stride_om,\n              pid_bh"),
+    ("    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + _block_pv(r)\n    return m_i, l_i, acc\n",
+     "    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + _block_pv(r)\n    return m_i, l_i, acc, t, t_loop\n"),
+    ("        m_i, l_i, acc = _pingpong_loop(", "        m_i, l_i, acc, t, t_loop = _pingpong_loop("),
+    ("VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om)",
+     "VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om, CLK_ptr)"),
+    ("VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om = tensors",
+     "VS_ptr, VM_ptr, O_ptr, LSE_ptr, stride_ob, stride_oh, stride_om, CLK_ptr = tensors"),
     ("VS_ptr, VM_ptr, O_ptr, LSE_ptr,\n    stride_ob", "VS_ptr, VM_ptr, O_ptr, LSE_ptr, CLK_ptr,\n    stride_ob"),
     ("x.v_scale, x.v_mean, o,\n         lse,", "x.v_scale, x.v_mean, o,\n         lse, CLK,"),
     ("_LAUNCH = LaunchPlans(_attn_qk_int8_fwd_gluon)", "CLK = None\n_LAUNCH = LaunchPlans(_attn_qk_int8_fwd_gluon)"),

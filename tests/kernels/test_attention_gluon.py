@@ -70,11 +70,14 @@ CAUSAL_SHAPES = [(1, 1), (113, 113), (1000, 872), (239, 4079), (4096, 4096)]
 @needs_cuda
 @hopper
 @pytest.mark.parametrize("shape", range(len(SHAPES)))
-@pytest.mark.parametrize("mode, smooth_q, stages", [("sage2-8b", True, 2), ("sage2-8b", True, 3), ("sage2-8b", True, 4),
-                                                     ("sage2-8b", False, 2), ("sage2-8b", False, 3),
-                                                     ("sage2-8b", False, 4), ("int8-flash", False, 3)])
-@pytest.mark.parametrize("causal", [False, True])
-def test_gpu_gluon_matches_the_triton_kernel(shape, mode, smooth_q, stages, causal):
+@pytest.mark.parametrize("mode, smooth_q, stages, warpgroups, causal", [
+    *((mode, smooth_q, stages, 2, causal) for mode, smooth_q in (("sage2-8b", True), ("sage2-8b", False))
+      for stages in (2, 3, 4) for causal in (False, True)),
+    ("int8-flash", False, None, None, False),  # the defaults: three warpgroups, 4 stages
+    ("int8-flash", False, 3, 2, False), ("int8-flash", False, None, None, True),
+    ("sage2-8b", True, 4, 3, False), ("sage2-8b", False, 3, 3, False),  # three warpgroups: ΔS rows of two q blocks
+])
+def test_gpu_gluon_matches_the_triton_kernel(shape, mode, smooth_q, stages, warpgroups, causal):
     from quantpatch.kernels.attn_gluon import attn_qk_int8_gluon
     from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
 
@@ -84,7 +87,7 @@ def test_gpu_gluon_matches_the_triton_kernel(shape, mode, smooth_q, stages, caus
                                        block_n=128, num_warps=4, num_stages=2,
                                        l_from_quantized_p=cfg.l_from_quantized_p, two_level_accum=cfg.two_level_accum)
     out, lse = attn_qk_int8_gluon(x, nk, qk_granularity=cfg.qk_granularity, is_causal=causal, return_lse=True,
-                                  block_q=cfg.block_q, stages=stages)
+                                  block_q=cfg.block_q, stages=stages, warpgroups=warpgroups)
     assert torch.isfinite(out).all()
     exact, exact_lse = attention_exact(*qkv, is_causal=causal, return_lse=True)
     err, triton_err = rel_l1(out.double(), exact), rel_l1(ref.double(), exact)
@@ -158,13 +161,15 @@ def _cpu_operands(nq, nk, v_dtype=torch.float8_e4m3fn, v_scale_shape=(1, 1, 128)
 
 @pytest.mark.parametrize("call, match", [
     (dict(nq=100, nk=110, is_causal=True), "causal calls need Nk - Nq"),
+    (dict(nq=128, nk=128, is_causal=True, warpgroups=3), "warpgroups=3"),
+    (dict(nq=100, nk=100, warpgroups=4), "warpgroups=4"),
     (dict(nq=100, nk=100, qk_granularity="block"), "qk_granularity"),
     (dict(nq=100, nk=100, v_dtype=torch.int8), "INT8 V and one V scale"),
     (dict(nq=100, nk=100, v_scale_shape=(1,)), "per-channel V scales"),
 ])
 def test_gluon_launcher_rejects_what_the_kernel_does_not_compute(call, match):
-    """Checked before anything reaches the GPU: an unaligned causal diagonal, unknown Q/K groups, V operands of
-    neither numerics."""
+    """Checked before anything reaches the GPU: an unaligned causal diagonal, a schedule the call cannot take,
+    unknown Q/K groups, V operands of neither numerics."""
     from quantpatch.kernels.attn_gluon import attn_qk_int8_gluon
 
     shapes = {key: call.pop(key) for key in ("nq", "v_dtype", "v_scale_shape") if key in call}
