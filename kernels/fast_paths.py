@@ -44,9 +44,10 @@ KEY_BLOCK = 128  # the attention kernel's key block; K/V are padded to a multipl
 FP8_OPERANDS = ("fp8_e4m3",)
 # the Gluon kernel from this many keys on, by (numerics, causal): where it ran faster than the Triton kernel, kernel
 # only (H200, eval/probes/sweep_gluon_attention.py; eval/results/bench_attention/NOTES.md, sessions 18 and 19).
-# sage2: non-causal 1.04× at 2k, 0.94× at 1k; causal 1.09× at 4k, 1.00× at 2k. int8-flash: non-causal 1.02× at 16k,
-# 1.08× at 32k, 0.99–1.01× from 2k to 8k; causal 1.06× at 4k, 0.98× at 2k.
-GLUON_MIN_KEYS = {("sage2", False): 2048, ("sage2", True): 4096, ("int8_flash", False): 16384,
+# sage2: non-causal 1.04× at 2k, 0.94× at 1k; causal 1.09× at 4k, 1.00× at 2k. int8-flash: non-causal (the serial
+# three-warpgroup schedule, session 21) 1.05 / 1.06 / 1.14 / 1.13× at 2k / 4k / 8k / 16k, 0.88× at 1k; causal 1.06×
+# at 4k, 0.98× at 2k.
+GLUON_MIN_KEYS = {("sage2", False): 2048, ("sage2", True): 4096, ("int8_flash", False): 2048,
                   ("int8_flash", True): 4096}
 
 
