@@ -71,6 +71,7 @@ BLOCK_M = 128  # query rows of a program of two consumer warpgroups (the causal 
 # 8r + 2g + b of lane group g share δK (block_k a multiple of 64), so δQ·δK is one value a thread and span
 K_SPAN = gl.constexpr(64)
 PRODUCER_REGS = gl.constexpr(24)
+SERIAL = gl.constexpr(3)  # consumer warpgroups of the serial schedule (two: the ping-pong one)
 
 
 @gluon.jit
@@ -156,7 +157,7 @@ def _pack(*values):
 @triton.constexpr_function
 def _consumer_regs(warpgroups):
     """setmaxnreg of a consumer warpgroup: ``warpgroups`` · 128 · regs + 128 · PRODUCER_REGS ≤ 64 K."""
-    return {2: 232, 3: 160}[warpgroups]
+    return {2: 232, SERIAL.value: 160}[warpgroups]
 
 
 @triton.constexpr_function
@@ -170,7 +171,7 @@ def _lane_dk_ring(causal, token_scales, warpgroups):
     """Whether per-thread groups (sage2) read their lane's δK from the ring rather than global memory: causal calls
     and the serial schedule (H200: the ring ran causal calls 1.02–1.04× as fast, non-causal ones 0.97–0.98×, session
     20; the serial schedule 1.05× as fast, session 21)."""
-    return (causal or warpgroups == 3) and not token_scales
+    return (causal or warpgroups == SERIAL.value) and not token_scales
 
 
 @triton.constexpr_function
@@ -329,11 +330,15 @@ def _serial_block(j, WG: gl.constexpr, q_wg, p_wg, k_s, ds_s, ks_s, v_s, k_ready
     scale = qs
     if not TOKEN_SCALES:
         scale = qs * _lane_k_scale_ring(ks_s.index(buf), lane7, col_s, BLOCK_N)
+    SIGNAL_MAX: gl.constexpr = MASKED and WG < SERIAL - 1  # the last warpgroup's row max starts no one
+    max_done = None
+    if SIGNAL_MAX:
+        max_done = first_max.index(WG)
     s_int = hopper.warpgroup_mma_wait(0, deps=[s_tok])
     p_hat, alpha, m_i, l_i = _softmax_block(s_int, scale, ds_s.index(DS_ROWS * buf + ds_row), ks_s.index(buf),
-                                            qk_scale, _key_block(j, n_blocks) * BLOCK_N, m_i, l_i, last_key,
-                                            first_max.index(WG), MASKED and WG < 2, BLOCK_N, SMOOTH_Q, TOKEN_SCALES,
-                                            PV_INT8, MASKED, col_s, row_s, p_op)
+                                            qk_scale, _key_block(j, n_blocks) * BLOCK_N, m_i, l_i, last_key, max_done,
+                                            SIGNAL_MAX, BLOCK_N, SMOOTH_Q, TOKEN_SCALES, PV_INT8, MASKED, col_s,
+                                            row_s, p_op)
     _publish(p_hat, p_wg)
     mbarrier.wait(v_ready.index(buf), (j // STAGES) & 1)
     r_tok = hopper.warpgroup_mma(p_wg, v_s.index(buf).permute((1, 0)), zero_o, use_acc=False, is_async=True)
@@ -412,7 +417,7 @@ def _serial_loop(WG: gl.constexpr, q_wg, p_wg, k_s, ds_s, ks_s, v_s, k_ready, v_
                  o_mma: gl.constexpr, p_op: gl.constexpr):
     """The three-warpgroup schedule of consumer ``WG`` (module docstring), :func:`_serial_block` over the program's
     ``n_blocks`` key blocks (the first masked); ``ds_row``: which of the stage's ΔS rows is this warpgroup's."""
-    DS_ROWS: gl.constexpr = _ds_rows(3)
+    DS_ROWS: gl.constexpr = _ds_rows(SERIAL)
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
     acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_mma)
@@ -478,7 +483,7 @@ def _consumer(WG: gl.constexpr, shared, tensors, where, config: gl.constexpr):
     zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.int32, layout=s_mma)
     zero_o = gl.zeros([WG_ROWS, HEAD_DIM], gl.int32 if PV_INT8 else gl.float32, layout=o_mma)
 
-    if WARPGROUPS == 3:
+    if WARPGROUPS == SERIAL:
         m_i, l_i, acc = _serial_loop(WG, q_wg, p_s.index(WG), k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty,
                                      first_max, qs, qk_scale, last_key, r0 // Q_BLOCK - m0 // Q_BLOCK, n_blocks, zero_s,
                                      zero_o, lane7, BLOCK_N, HEAD_DIM, STAGES, SMOOTH_Q, TOKEN_SCALES, PV_INT8, col_s,
@@ -590,7 +595,7 @@ def _attn_qk_int8_fwd_gluon(
     producer = (k_desc, ds_desc, ks_desc, vt_desc, k_s, ds_s, ks_s, v_s, k_ready, v_ready, kv_empty, k_row0, ds_row0,
                 ds_step, v_row0, n_blocks)
     REGS: gl.constexpr = _consumer_regs(WARPGROUPS)
-    if WARPGROUPS == 3:
+    if WARPGROUPS == SERIAL:
         gl.warp_specialize([(_consumer, (0, shared, tensors, where, config)),
                             (_consumer, (1, shared, tensors, where, config)),
                             (_consumer, (2, shared, tensors, where, config)), (_kv_producer, (producer, config))],
@@ -676,12 +681,12 @@ def attn_qk_int8_gluon(
     if nk_pad % block_n or block_q % BLOCK_M:
         raise ValueError(f"Nk_pad={nk_pad} must be a multiple of block_n={block_n}, block_q={block_q} of {BLOCK_M}")
     if warpgroups is None:
-        warpgroups = 3 if pv_int8 and not is_causal else 2
-    if warpgroups not in (2, 3) or (warpgroups == 3 and is_causal):
-        raise ValueError(f"warpgroups={warpgroups}: 2, or 3 for non-causal calls (a causal program's diagonal must be "
-                         "one key block)")
+        warpgroups = SERIAL.value if pv_int8 and not is_causal else 2
+    if warpgroups not in (2, SERIAL.value) or (warpgroups == SERIAL.value and is_causal):
+        raise ValueError(f"warpgroups={warpgroups}: 2, or {SERIAL.value} for non-causal calls (a causal program's "
+                         "diagonal must be one key block)")
     if stages is None:
-        stages = 4 if warpgroups == 3 else 3
+        stages = 4 if warpgroups == SERIAL.value else 3
     if is_causal and ((nk - nq) % BLOCK_M or block_n != BLOCK_M):
         raise ValueError(f"causal calls need Nk - Nq (= {nk - nq}) a multiple of {BLOCK_M} and block_n={BLOCK_M}: "
                          "the diagonal must be one key block of each program")
