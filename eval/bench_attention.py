@@ -67,12 +67,18 @@ TUNE_VARIANTS = [
 
 
 def mode_config(name: str):
-    """``"mode"`` or ``"mode+option"`` (boolean attention options switched on, e.g. ``sage2-8b+smooth_v``)."""
+    """``"mode"``, ``"mode+option"`` or ``"mode+option=0"``: a mode with boolean attention options switched on or
+    off, e.g. ``sage2-8b+smooth_v``, or ``sage2-8b+smooth_q=0`` (SageAttention2's Hopper numerics, §5)."""
     import quantpatch as qp
 
     mode, *opts = name.split("+")
-    cfg = qp.get_mode(mode).attention
-    return cfg.replace(**{o: True for o in opts}) if opts else cfg
+    flags = {}
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        if value not in ("", "0", "1"):
+            raise ValueError(f"{name!r}: a mode option is 'option', 'option=1' or 'option=0', not {opt!r}")
+        flags[key] = value != "0"
+    return qp.get_mode(mode).attention.replace(**flags)
 
 
 def flops(b: int, h: int, n: int, d: int, causal: bool) -> float:
@@ -359,7 +365,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     p.add_argument("--causal", type=int, nargs="+", default=[0, 1], choices=[0, 1])
     p.add_argument("--modes", nargs="+", default=list(MODES),
-                   help="mode names, optionally with boolean attention options: sage2-8b+smooth_v")
+                   help="mode names, optionally with boolean attention options switched on or off: sage2-8b+smooth_v, "
+                        "sage2-8b+smooth_q=0")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
     p.add_argument("--rep", type=int, default=100, help="do_bench measurement time (ms)")
     p.add_argument("--acc-seq-len", type=int, default=4096)
