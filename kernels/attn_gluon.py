@@ -161,6 +161,13 @@ def _consumer_regs(warpgroups):
 
 
 @triton.constexpr_function
+def _p_buffers(warpgroups):
+    """P̂ buffers in shared memory: consumer c's are 2c and 2c + 1 in the ping-pong schedule (P̃_j·V_j reads one while
+    softmax j + 1 writes the other), c in the serial one."""
+    return 2 * warpgroups if warpgroups == 2 else warpgroups
+
+
+@triton.constexpr_function
 def _ds_rows(warpgroups):
     """ΔS rows (query blocks of ``block_q``, a multiple of 128) a program's rows meet: 192 rows meet two."""
     return warpgroups - 1
@@ -571,8 +578,7 @@ def _attn_qk_int8_fwd_gluon(
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     first_max = gl.allocate_shared_memory(gl.int64, [WARPGROUPS - 1, 1], mbarrier.MBarrierLayout())
     p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BLOCK_N), element_bitwidth=8, rank=2)
-    # P̂ buffers: consumer c's are 2c and 2c + 1 (two warpgroups), c (three)
-    p_s = gl.allocate_shared_memory(vt_desc.dtype, [4, WG_ROWS, BLOCK_N], p_layout)
+    p_s = gl.allocate_shared_memory(vt_desc.dtype, [_p_buffers(WARPGROUPS), WG_ROWS, BLOCK_N], p_layout)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
