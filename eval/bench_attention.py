@@ -72,13 +72,15 @@ def mode_config(name: str):
     import quantpatch as qp
 
     mode, *opts = name.split("+")
+    cfg = qp.get_mode(mode).attention
     flags = {}
     for opt in opts:
         key, _, value = opt.partition("=")
-        if value not in ("", "0", "1"):
-            raise ValueError(f"{name!r}: a mode option is 'option', 'option=1' or 'option=0', not {opt!r}")
+        if value not in ("", "0", "1") or not isinstance(getattr(cfg, key, False), bool):
+            raise ValueError(f"{name!r}: a mode option is a boolean one as 'option', 'option=1' or 'option=0', "
+                             f"not {opt!r}")
         flags[key] = value != "0"
-    return qp.get_mode(mode).attention.replace(**flags)
+    return cfg.replace(**flags)
 
 
 def flops(b: int, h: int, n: int, d: int, causal: bool) -> float:
