@@ -183,9 +183,10 @@ def speed_rows(args) -> list[dict]:
                 logger.warning("%s failed at D=%d N=%d: %s", name, d, n, err)
         for mode in args.modes:
             cfg = mode_config(mode)
-            gluon = fast_paths.uses_gluon(cfg, torch.device("cuda"), d, n, n, causal)
-            opts = fast_paths.quant_options(cfg) | dict(v_key_order=gluon, is_causal=causal)  # as the e2e call does
-            blocks = fast_paths.kernel_blocks(cfg, d)
+            opts, extra = fast_paths.prefill_options(  # as the e2e call has them
+                cfg, torch.device("cuda"), d, n, n, is_causal=causal, sm_scale=1 / math.sqrt(d), return_lse=False,
+                out_dtype=torch.bfloat16)
+
             def e2e(i, c=cfg):
                 return qp.attention(*sets[i], mode=c, is_causal=causal, strict=True)
 
@@ -194,9 +195,6 @@ def speed_rows(args) -> list[dict]:
             add(mode, "quant", bench(lambda i, o=opts: fast_paths.quantize_qkv_op(*sets[i], **o), n_sets,
                                      args.warmup, args.rep))
             parts = [fast_paths.quantize_qkv_op(*s, **opts) for s in sets]
-            extra = (n, causal, 1 / math.sqrt(d), False, torch.bfloat16, cfg.block_q, cfg.l_from_quantized_p,
-                     cfg.two_level_accum, blocks["block_m"], blocks["block_n"], blocks["num_warps"],
-                     blocks["num_stages"], cfg.exp == "sas", cfg.pv_qmax, gluon, cfg.qk_granularity)
             add(mode, "kernel", bench(lambda i, p=parts, e=extra: fast_paths.attn_qk_int8_pv_fp8_op(*p[i], *e),
                                       n_sets, args.warmup, args.rep))
             parts = None

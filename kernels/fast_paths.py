@@ -251,6 +251,21 @@ def _(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale,
 # --------------------------------------------------------------------------- the implementation
 
 
+def prefill_options(cfg: AttentionConfig, device: torch.device, head_dim: int, nq: int, nk: int, *, is_causal: bool,
+                    sm_scale: float, return_lse: bool, out_dtype: torch.dtype,
+                    blocks: dict | None = None) -> tuple[dict, tuple]:
+    """The arguments of a call's two custom ops: :func:`quantize_qkv_op`'s keywords, and
+    :func:`attn_qk_int8_pv_fp8_op`'s options after the quantized tensors (the Gluon kernel where :func:`uses_gluon`,
+    else the Triton kernel with :func:`kernel_blocks`, or ``blocks`` where given)."""
+    gluon = blocks is None and uses_gluon(cfg, device, head_dim, nq, nk, is_causal)
+    kb = kernel_blocks(cfg, head_dim) if blocks is None else blocks
+    quant_kw = quant_options(cfg) | dict(v_key_order=gluon, is_causal=is_causal)
+    options = (nk, is_causal, sm_scale, return_lse, out_dtype, cfg.block_q, cfg.l_from_quantized_p,
+               cfg.two_level_accum, kb["block_m"], kb["block_n"], kb["num_warps"], kb["num_stages"],
+               cfg.exp == "sas", cfg.pv_qmax, gluon, cfg.qk_granularity)
+    return quant_kw, options
+
+
 def quantized_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -275,13 +290,10 @@ def quantized_attention(
     """
     compiling = torch.compiler.is_compiling()
     quantize = quantize_qkv_op if compiling else quantize_qkv
-    gluon = blocks is None and uses_gluon(cfg, q.device, q.shape[-1], q.shape[2], k.shape[2], is_causal)
-    parts = quantize(q, k, v, **quant_options(cfg), v_key_order=gluon, is_causal=is_causal)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    kb = kernel_blocks(cfg, q.shape[-1]) if blocks is None else blocks
-    options = (k.shape[2], is_causal, sm_scale, return_lse, q.dtype, cfg.block_q, cfg.l_from_quantized_p,
-               cfg.two_level_accum, kb["block_m"], kb["block_n"], kb["num_warps"], kb["num_stages"],
-               cfg.exp == "sas", cfg.pv_qmax, gluon, cfg.qk_granularity)
+    quant_kw, options = prefill_options(cfg, q.device, q.shape[-1], q.shape[2], k.shape[2], is_causal=is_causal,
+                                        sm_scale=sm_scale, return_lse=return_lse, out_dtype=q.dtype, blocks=blocks)
+    parts = quantize(q, k, v, **quant_kw)
     attend = attn_qk_int8_pv_fp8_op if compiling else _attend
     o, lse = attend(*parts, *options)
     if return_lse and cfg.smooth_k:  # the kernel's LSE is that of the K-smoothed scores
