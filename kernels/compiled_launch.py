@@ -6,7 +6,8 @@ for the prefill path's kernels, depending on the host), for kernels whose GPU ti
 A caller keeps the ``CompiledKernel`` that a first ``kernel[grid](...)`` returned, keyed by everything Triton
 specializes it on (:func:`specialization` of the runtime arguments, the constexprs and the launch options), and
 passes later calls with the same key to :func:`relaunch`; :class:`LaunchPlans` does both for one kernel.
-:func:`cdiv` and :func:`next_pow2` are the launchers' host integer arithmetic: ``triton.cdiv`` and
+:func:`current_stream` and :func:`stream_key` name the stream a launch goes to. :func:`cdiv` and
+:func:`next_pow2` are the launchers' host integer arithmetic: ``triton.cdiv`` and
 ``triton.next_power_of_2`` are ``ConstexprFunction`` calls, a few µs each on the host, which a decode step's
 launcher pays on every call.
 """
@@ -45,6 +46,13 @@ def next_pow2(x: int) -> int:
 def current_stream(device: int) -> int:
     """The raw handle of ``device``'s current CUDA stream (what a launcher takes)."""
     return torch._C._cuda_getCurrentRawStream(device)
+
+
+def stream_key(device: torch.device) -> tuple:
+    """``(device, raw handle of its current stream)``, the key of per-stream scratch memory (launches on one stream
+    run one after the other and may share it; on two they may overlap and must not); stream 0 for CPU tensors (the
+    interpreter)."""
+    return (device, current_stream(device.index) if device.type == "cuda" else 0)
 
 
 def relaunch(kernel, grid: tuple[int, int, int], stream: int, args: tuple) -> None:

@@ -71,7 +71,7 @@ import triton.language as tl
 from quantpatch.config import AttentionConfig
 
 from .attn_qk_int8_pv_fp8_triton import SAS_THRESHOLD, _sas_exp
-from .compiled_launch import current_stream, next_pow2
+from .compiled_launch import next_pow2, stream_key
 from .gluon_gate import GluonGate
 from .qk_quant_triton import _rne
 from .turbo_compress_triton import KERNEL_BITS, bit_groups
@@ -611,8 +611,7 @@ def _workspace(device: torch.device, parts: int, d: int, counters: int) -> tuple
     """``(m, ℓ, acc, counters)`` for the splits' partials, kept per (device, stream, size): the counters are
     zero between calls (the last split of each (batch, KV head) resets its own), so they are allocated once;
     per stream, so that calls on two streams never share one (a CUDA-graph capture reuses its stream's)."""
-    stream = current_stream(device.index) if device.type == "cuda" else 0
-    key = (device, stream, parts, d, counters)
+    key = (*stream_key(device), parts, d, counters)
     ws = _WORKSPACES.get(key)
     if ws is None:
         if len(_WORKSPACES) >= MAX_WORKSPACES:

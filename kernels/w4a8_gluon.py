@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from .compiled_launch import cdiv, next_pow2, relaunch
+from .compiled_launch import cdiv, next_pow2, relaunch, stream_key
 from .gluon_compat import async_load, cta_barrier
 from .w4a8_gluon_operand import (
     GROUP,
@@ -55,7 +55,6 @@ from .w4a8_triton import (
     _bf16_rne,
     _check_operands,
     _scratch,
-    _stream_key,
     _x_hat_scratch,
     quantize_activation_fp8,
 )
@@ -295,7 +294,7 @@ def _launch(x, x_hat, beta, qweight, scales, pts_exp, bias, y, gps: int | None, 
     m, n = y.shape
     k = qweight.shape[1] * 2
     fused = x is not None
-    skey = _stream_key(y.device)
+    skey = stream_key(y.device)
     src = x if fused else x_hat
     caller = (src, qweight, scales, pts_exp) + (() if fused else (beta,)) + (() if bias is None else (bias,))
     key = (skey, fused, m, n, k, gps, gpc, y.dtype, bias is None, src.stride(0), qweight.stride(0), scales.stride(0),

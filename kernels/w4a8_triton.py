@@ -55,7 +55,7 @@ from quantpatch.dispatch import cuda_unsupported
 from quantpatch.fallback import fall_back, note_implementation
 from quantpatch.w4a8_linear import register_w4a8_fast_path
 
-from .compiled_launch import cdiv, current_stream, interpreting, next_pow2
+from .compiled_launch import cdiv, interpreting, next_pow2, stream_key
 from .gluon_gate import GluonGate
 from .qk_quant_triton import _to_fp8e4m3
 from .w4a8_ref import GROUP_SIZE
@@ -423,12 +423,6 @@ def decode_split(cfg: dict, n: int, groups: int) -> tuple[int, int]:
     return cdiv(groups, gps), gps
 
 
-def _stream_key(device: torch.device) -> tuple:
-    if device.type != "cuda":  # the interpreter
-        return (device, 0)
-    return (device, current_stream(device.index))
-
-
 def _scratch(key: tuple, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Scratch memory of the current stream (``key``), at least ``numel`` long; counters start (and end) at 0.
 
@@ -445,7 +439,7 @@ def _scratch(key: tuple, name: str, numel: int, dtype: torch.dtype, device: torc
 
 def _semaphores(device: torch.device, count: int) -> torch.Tensor:
     """The decode kernel's int32 counters for the current stream: 0 between launches."""
-    return _scratch(_stream_key(device), "counters", count, torch.int32, device)
+    return _scratch(stream_key(device), "counters", count, torch.int32, device)
 
 
 def _x_hat_scratch(key: tuple, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -463,7 +457,7 @@ def _launch_decode(x, x_hat, beta, qweight, scales, pts_exp, bias, y, cfg: dict)
     if m > DECODE_BLOCK_M:
         raise ValueError(f"the decode kernel takes M ≤ {DECODE_BLOCK_M} tokens, got {m}")
     device = y.device
-    key = _stream_key(device)
+    key = stream_key(device)
     bn = cfg["block_n"]
     tiles = cdiv(n, bn)
     split, gps = decode_split(cfg, n, k // GROUP_SIZE)

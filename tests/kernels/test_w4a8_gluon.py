@@ -9,6 +9,7 @@ selection logic is tested on the CPU in ``test_w4a8_triton.py``.
 import pytest
 import torch
 
+from quantpatch.kernels.compiled_launch import stream_key
 from quantpatch.kernels.w4a8_ref import w4a8_linear_ref
 from tests.gpu import hopper, needs_cuda
 from tests.kernels.test_w4a8_triton import _assert_within_bound, _error_bound, _layer, _randn
@@ -39,7 +40,7 @@ def test_gpu_gluon_gemm_matches_reference(m, n, k, gps):
     from quantpatch.kernels import w4a8_triton as wt
 
     y, ops = _check(m, n, k, seed=m + n + k, gps=gps)
-    assert not wt._SCRATCH[(wt._stream_key(y.device), "gluon_counters")].any()
+    assert not wt._SCRATCH[(stream_key(y.device), "gluon_counters")].any()
     assert torch.equal(wg.w4a8_gemm_gluon(*ops, torch.bfloat16, gps=gps), y)
 
 
@@ -82,7 +83,7 @@ def test_gpu_gluon_layer(m, n, k, dtype):
     y = wg.w4a8_linear_gluon(x, qw, sc, pe, b)
     x_hat, beta = wt.quantize_activation_fp8(x, fragment_order=True)
     assert torch.equal(y, wg.w4a8_gemm_gluon(x_hat, beta, qw, sc, pe, b, dtype))
-    key = wt._stream_key(y.device)
+    key = stream_key(y.device)
     if k <= wt.DECODE_QBLOCK:
         fused_hat = wt._x_hat_scratch(key, m * k, y.device)[0][: m * k]
         assert torch.equal(fused_hat.view(torch.uint8), x_hat.view(torch.uint8).flatten())
@@ -170,7 +171,7 @@ def test_gpu_gluon_launch_plans_follow_the_callers_layout_and_stream():
     assert all(torch.equal(y, ref) for y in ys)
     for stream in (torch.cuda.current_stream(), side):
         with torch.cuda.stream(stream):
-            assert not wt._SCRATCH[(wt._stream_key(ref.device), "gluon_counters")].any()
+            assert not wt._SCRATCH[(stream_key(ref.device), "gluon_counters")].any()
 
 
 def test_weight_words_rejects_views_the_words_cannot_be_read_from():
