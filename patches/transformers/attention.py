@@ -2,8 +2,9 @@
 
 Transformers calls it with ``(B, H, S, D)`` query/key/value after RoPE and the cache update
 and expects ``(B, S, H, D)`` back. GQA is native (no ``repeat_kv``). Causality: with no mask
-and ``q_len > 1`` the call is causal (bottom-right aligned); otherwise the boolean mask built
-by ``sdpa_mask`` (padding, sliding windows, chunked prefill) is honoured as given.
+and ``q_len > 1`` the call is causal as SDPA's ``is_causal`` is (top-left: a prefill into an empty
+static cache sees none of its empty slots); otherwise the mask built by ``sdpa_mask`` (padding,
+sliding windows, chunked prefill) is honoured as given. T5's ``position_bias`` joins the mask.
 
 With a ``TurboCache`` under a ``turbo`` site, ``key``/``value`` of a decode call are placeholders
 and the attention runs on the compressed layer found by ``module.layer_idx``
@@ -47,14 +48,48 @@ def original_attention(module: Any, impl: str) -> Callable:
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
+# Extra attention inputs some families pass through ``AttentionInterface`` that change the result; our
+# attention does not compute them, so a call that carries one runs the original attention (reported).
+# ``position_bias`` (T5-style relative bias) is honoured instead: it is folded into an additive mask.
+REFUSED_INPUTS = {"s_aux": "attention sinks (s_aux)", "sinks": "attention sinks (sinks)", "alibi": "ALiBi bias (alibi)",
+                  "head_mask": "a head mask (head_mask)"}
+
+
 def _unsupported(site: AttentionSite, module: Any, dropout: float, softcap: float | None, kwargs: dict) -> str | None:
     if dropout and module.training:
         return "attention dropout during training"
     if softcap or site.softcap:
         return "attention logit softcapping"
-    if kwargs.get("s_aux") is not None:
-        return "attention sinks"
+    for name, what in REFUSED_INPUTS.items():
+        value = kwargs.get(name)
+        if value is not None and value is not False:
+            return what
     return None
+
+
+def _transformers_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """A causal call with no mask, in Transformers' meaning: SDPA's top-left ``is_causal``.
+
+    Transformers hands no mask where ``is_causal`` is exact: ``q_len == kv_len``, or a prefill into an
+    empty static cache (``q_len < kv_len``: the keys past ``q_len`` are empty slots no query may see).
+    Top-left causal over the first ``q_len`` keys is bottom-right causal over them, which our paths
+    compute; returns ``(key, value, mask)`` with the empty slots cut (a bool mask only if ``q_len > kv_len``).
+    """
+    nq, nk = query.shape[2], key.shape[2]
+    if nq <= nk:
+        return key[:, :, :nq], value[:, :, :nq], None
+    rows = torch.arange(nq, device=query.device)[:, None]
+    return key, value, rows >= torch.arange(nk, device=query.device)[None, :]
+
+
+def _with_position_bias(bias: torch.Tensor, mask: torch.Tensor | None, nk: int) -> torch.Tensor:
+    """T5-style ``position_bias`` ``(B|1, H, Nq, >=Nk)`` added to ``mask`` (bool or additive) as one additive mask."""
+    bias = bias[..., :nk]
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, float("-inf"))
+    return bias + mask
 
 
 def make_attention_function() -> Callable:
@@ -86,6 +121,12 @@ def make_attention_function() -> Callable:
                         softcap=softcap, is_causal=is_causal, **kwargs)
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         causal = bool(causal) and attention_mask is None and query.shape[2] > 1
+        if causal and turbo_layer is None and query.shape[2] != key.shape[2]:
+            key, value, attention_mask = _transformers_causal(query, key, value)
+            causal = attention_mask is None
+        position_bias = kwargs.get("position_bias")
+        if position_bias is not None:
+            attention_mask = _with_position_bias(position_bias, attention_mask, key.shape[2])
         crs = crs_buffers(module) if site.config.numerics == "fireq" else None
         if crs is not None:  # a converted fireq model: CRS post-RoPE, online (q · t, k / t)
             query, key = apply_online_crs(query, key, crs[0])

@@ -35,6 +35,14 @@ def _validate(q, k, v, attn_mask, layout) -> None:
         raise TypeError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.device == k.device == v.device:
         raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and attn_mask.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"attn_mask has dtype {attn_mask.dtype}; pass a bool mask (True = attend) or an "
+                            "additive float mask (an integer 0/1 mask is ambiguous, as in torch SDPA)")
+        if attn_mask.device != q.device:
+            raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}")
 
 
 def sdpa_attention(call: AttentionCall):
@@ -105,9 +113,13 @@ def attention(
     nk = k.shape[2]
     if attn_mask is not None:
         try:
-            torch.broadcast_shapes(attn_mask.shape, (b, h, nq, nk))
+            full = torch.broadcast_shapes(attn_mask.shape, (b, h, nq, nk))
         except RuntimeError as err:
             raise ValueError(f"attn_mask {tuple(attn_mask.shape)} does not broadcast to {(b, h, nq, nk)}") from err
+        if full != (b, h, nq, nk):
+            raise ValueError(f"attn_mask {tuple(attn_mask.shape)} broadcasts to {tuple(full)}, not {(b, h, nq, nk)}")
+        # a view: the paths slice query/key blocks of the mask, so its last two dims must be real
+        attn_mask = attn_mask.expand(*attn_mask.shape[:-2], nq, nk)
     cfg = resolve_attention_config(mode)
     call = AttentionCall(q, k, v, cfg, is_causal, scale, attn_mask, return_lse)
 

@@ -126,8 +126,12 @@ def _reference_run(call: AttentionCall):
     from quantpatch.kernels.quant_attention_ref import quant_attention_ref
 
     for name, t in (("q", call.q), ("k", call.k), ("v", call.v)):
-        if not torch.isfinite(t).all():
-            raise ValueError(f"quantpatch.attention: {name} contains NaN or Inf; quantization scales would be invalid")
+        message = f"quantpatch.attention: {name} contains NaN or Inf; quantization scales would be invalid"
+        if not torch.compiler.is_compiling():
+            if not torch.isfinite(t).all():
+                raise ValueError(message)
+        elif not t.is_cuda:  # traced: no data-dependent branch (a graph break); a device-side assert on CUDA
+            torch._assert_async(torch.isfinite(t).all(), message)  # would poison the context, so CPU only
     return quant_attention_ref(
         call.q,
         call.k,
