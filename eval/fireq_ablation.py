@@ -152,7 +152,7 @@ VARIANTS = {
     for v in [
         Variant("fp"),
         Variant("fp8-attn", attention="fp8"),
-        # the cumulative order (RTN, +CAS, +PTS, +RPN, +CRS, then +INT4 KV = full) with
+        # the ablation's cumulative order (RTN, +CAS, +PTS, +RPN, +CRS, then +INT4 KV = full) with
         # the fireq FP8 prefill attention (the recipe's attention before the INT4 cache is read)
         Variant("rtn/fp8", linear=True, attention="fp8"),
         Variant("rtn+cas/fp8", linear=True, cas=True, attention="fp8"),

@@ -12,7 +12,7 @@ the serial one below has three), which brings K (with ΔS, and δK for int8-flas
 TMA into ``STAGES``-deep rings. Per-thread groups make δQ·δK one value a lane and 64-key span, so S costs one
 multiply-add an element (with ΔS). Each lane loads its δK two blocks ahead from global memory, or, causal, reads it
 from the δK ring (as int8-flash reads its per-token δK): the ring ran causal calls 1.02–1.04× as fast at 4k–16k
-keys and non-causal ones 0.97–0.98× (H200, session 20), so each keeps the faster. Scores stay in raw units (log₂e/√d
+keys and non-causal ones 0.97–0.98× (H200), so each keeps the faster. Scores stay in raw units (log₂e/√d
 is applied in the exp2's own multiply-add) and ΔS keeps its row constant q̄·K̄, which softmax does not see (only the
 LSE removes it).
 
@@ -20,7 +20,7 @@ A program takes its key blocks last first: the first is the only one with keys a
 causal, the diagonal, which is one block because Nk - Nq is a multiple of 128), so it alone is masked and the loop
 holds no masked copy of a section. With a masked copy after the loop (key blocks in ascending order), ptxas compiled
 the causal loop with spills and the causal kernel ran 0.84–0.98× the Triton kernel; taken this way it runs
-1.09 / 1.14 / 1.17× at 4k / 8k / 16k keys, non-causal speed unchanged (H200, session 19). Each consumer runs
+1.09 / 1.14 / 1.17× at 4k / 8k / 16k keys, non-causal speed unchanged (H200). Each consumer runs
 (block j)::
 
     [its turn]  issue Q·K_{j+1}, issue P̃_j·V_j        (async wgmma; then the other warpgroup's turn)
@@ -34,7 +34,7 @@ the loop's back edge makes ptxas serialise them all (C7514).
 
 Warpgroup 1 issues its first Q·K only once warpgroup 0 has the row max of its first block (one mbarrier,
 ``first_max``). Started together, the two run their first softmaxes in step; staggered, the kernel ran
-1.03–1.04× as fast at 8k keys and 1.06–1.09× at 4k (H200, session 18, ``eval/probes/ab_gluon_attention.py``;
+1.03–1.04× as fast at 8k keys and 1.06–1.09× at 4k (H200, kernel only against the unstaggered kernel;
 re-staggering every 2, 8 or 32 blocks and making the exp2 phases take turns were slower).
 
 The serial schedule (``WARPGROUPS`` = 3, non-causal only) gives a program 192 query rows and three consumers at 160
@@ -43,7 +43,7 @@ P̂_j·V_j and the accumulator update in turn, and the other two warpgroups' wor
 starts once w − 1 has its first row max; δK and ΔS come from the ring, two ΔS rows a stage as 192 rows meet two
 query blocks). Three warps a scheduler instead of two hide more of the softmax's latency, which pays where the
 softmax is longest: int8-flash ran 1.05 / 1.06 / 1.09 / 1.09× as fast at 2k / 4k / 8k / 16k keys (4 stages, bits
-equal), sage2 0.94–0.96× (H200, session 21), so int8-flash's non-causal calls take it by default.
+equal), sage2 0.94–0.96× (H200), so int8-flash's non-causal calls take it by default.
 """
 
 from __future__ import annotations
@@ -176,8 +176,8 @@ def _ds_rows(warpgroups):
 @triton.constexpr_function
 def _lane_dk_ring(causal, token_scales, warpgroups):
     """Whether per-thread groups (sage2) read their lane's δK from the ring rather than global memory: causal calls
-    and the serial schedule (H200: the ring ran causal calls 1.02–1.04× as fast, non-causal ones 0.97–0.98×, session
-    20; the serial schedule 1.05× as fast, session 21)."""
+    and the serial schedule (H200: the ring ran causal calls 1.02–1.04× as fast, non-causal ones 0.97–0.98×;
+    the serial schedule 1.05× as fast)."""
     return (causal or warpgroups == SERIAL.value) and not token_scales
 
 
@@ -668,8 +668,8 @@ def attn_qk_int8_gluon(
     ``warpgroups``: consumer warpgroups of a program, 2 (the ping-pong schedule, 128 query rows) or 3 (the serial
     one, 192 rows, non-causal only); by default 3 for int8-flash's non-causal calls and 2 for the rest (module
     docstring). ``stages``: depth of the K/Vᵀ ring, by default 3 with two warpgroups (1.02 / 1.04 / 1.05× as fast as
-    4 at 8k / 16k / 32k keys, as fast at 2k–4k; 2: 0.72–0.75×, 5: slower than 4; H200, session 18) and 4 with three
-    (int8-flash 1.01–1.02× as fast as 3 at 2k–16k; H200, session 21).
+    4 at 8k / 16k / 32k keys, as fast at 2k–4k; 2: 0.72–0.75×, 5: slower than 4; H200) and 4 with three
+    (int8-flash 1.01–1.02× as fast as 3 at 2k–16k; H200).
     ``v_keys_permuted``: ``x.v_hat_t`` with its keys in :func:`wgmma_key_order` if the caller has it
     (``quantize_qkv(..., v_key_order=True)``); else :func:`permute_v_keys` makes it here (an extra pass).
     Returns ``o (B, H, Nq, D)`` in ``out_dtype`` and ``lse (B, H, Nq)`` (empty unless asked), as

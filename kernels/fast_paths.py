@@ -43,9 +43,9 @@ HEAD_DIMS = (64, 128)
 KEY_BLOCK = 128  # the attention kernel's key block; K/V are padded to a multiple of it
 FP8_OPERANDS = ("fp8_e4m3",)
 # the Gluon kernel from this many keys on, by (numerics, causal): where it ran faster than the Triton kernel, kernel
-# only (H200, eval/probes/sweep_gluon_attention.py; eval/results/bench_attention/NOTES.md, sessions 18 and 19).
+# only (H200; docs/performance.md).
 # sage2: non-causal 1.04× at 2k, 0.94× at 1k; causal 1.09× at 4k, 1.00× at 2k. int8-flash: non-causal (the serial
-# three-warpgroup schedule, session 21) 1.05 / 1.06 / 1.14 / 1.13× at 2k / 4k / 8k / 16k, 0.88× at 1k; causal 1.06×
+# three-warpgroup schedule) 1.05 / 1.06 / 1.14 / 1.13× at 2k / 4k / 8k / 16k, 0.88× at 1k; causal 1.06×
 # at 4k, 0.98× at 2k.
 GLUON_MIN_KEYS = {("sage2", False): 2048, ("sage2", True): 4096, ("int8_flash", False): 2048,
                   ("int8_flash", True): 4096}
@@ -69,7 +69,7 @@ def kernel_blocks(cfg: AttentionConfig, head_dim: int) -> dict:
 
     64 query rows per program with one warpgroup and a 3-stage K/V pipeline measured fastest on
     an H200 (2 programs per SM overlap one's softmax with the other's MMAs; see
-    eval/results/bench_attention/NOTES.md).
+    docs/performance.md).
     """
     if cfg.exp == "sas":  # TurboAttention's P tile is block_q × block_k
         return dict(block_m=cfg.block_q, block_n=cfg.block_k, num_warps=4, num_stages=3)

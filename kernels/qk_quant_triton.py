@@ -60,9 +60,9 @@ V_GRAN_IDS = {"channel": V_CHANNEL, "tensor": V_TENSOR, "block": V_BLOCK}
 STATS_TILE = 16  # tokens per load of the K/V statistics pass
 STATS_TILES = 32  # loads per program: one partial per STATS_TILES · STATS_TILE tokens (8: 7 % slower at 8k, H200)
 Q_SUB_ROWS = 32  # rows a load of the Q pass (at least one warp segment)
-Q_STATS_WARPS = 4  # launch 1 (H200, session 16: 8 warps 1.3–1.4× slower at 2k–32k)
-# launch of the ΔS GEMM: query-block tiles of 64, or of 16 for calls of at most short_nqb query blocks (H200, session
-# 20, eval/probes/delta_s_launch.py: 16 is 1.3× as fast at 1k and 2k, even at 4k; 64 is 1.4× as fast from 8k on)
+Q_STATS_WARPS = 4  # launch 1 (H200: 8 warps 1.3–1.4× slower at 2k–32k)
+# launch of the ΔS GEMM: query-block tiles of 64, or of 16 for calls of at most short_nqb query blocks (H200,
+# the ΔS launch alone: 16 is 1.3× as fast at 1k and 2k, even at 4k; 64 is 1.4× as fast from 8k on)
 DS_TUNING = dict(block_n=128, qb_tile=64, num_warps=4, num_stages=2, qb_tile_short=16, short_nqb=32)
 
 

@@ -82,7 +82,7 @@ MAX_Q_LEN = 16
 MAX_ROWS = 128  # G_PAD · NQ_PAD rows of one program
 PROGRAMS_PER_SM = 8  # split the sequence until the grid has at most this many programs per SM (whole waves)
 MIN_BLOCKS_PER_SPLIT = 4  # ≥ 256 keys per split: the partial (m, ℓ, acc) written stays small next to the codes read
-NUM_WARPS, NUM_STAGES = 2, 1  # launch of the decode kernel (the B=8, N=32k sweeps on an H200: bench_decode NOTES.md)
+NUM_WARPS, NUM_STAGES = 2, 1  # launch of the decode kernel (picked by B=8, N=32k sweeps on an H200)
 MAXNREG = None  # register cap of the decode kernel (None: the compiler's choice)
 SUBNORMAL_CODES = True  # 4-bit codes enter the fp16 dots as subnormals (code · 2⁻²⁴); False: as 1024 + code
 
@@ -597,7 +597,7 @@ def _plan(group: int, nq: int, t: int, k_bits: tuple[int, ...], v_bits: tuple[in
     per_split = lanes * math.ceil(t / splits / lanes) if t else 0
     splits = math.ceil(t / per_split) if t else 1
     # ≤ 16 splits and ≤ 64 (row, split) pairs at a time: Triton 3.6 fails to compile the [4, 32, 32] reduction
-    # at 2 warps (TritonGPUOptimizeThreadLocality, H200 probe)
+    # at 2 warps (TritonGPUOptimizeThreadLocality, on an H200)
     s_chunk = max(2, min(next_pow2(splits), 16, 64 // (g_pad * nq_pad)))
     groups = tuple((kw, vw, tuple(heads)) for (kw, vw), heads in bit_groups(k_bits, v_bits))
     return _Plan(splits, per_split, lanes, g_pad, nq_pad, s_chunk, groups)

@@ -21,8 +21,8 @@ Design (swap AB, one warpgroup per program, ``yᵀ = ŵ x̂ᵀ``)::
       per group:    INT4 → e4m3 in registers (10 PTX instructions a word), async wgmma m64nBMk32 × 4, the
                     previous group's product retired meanwhile; acc += part · σ 2⁹
 
-The weights never touch shared memory. Version 12 (NOTES) replaced fp16 wgmma (INT4 → fp16 pairs, x̂ → fp16 staged
-by every program) by this FP8 path: half the wgmma instructions, and x̂ goes to the tensor core as loaded. Host
+The weights never touch shared memory. This FP8 path replaced fp16 wgmma (INT4 → fp16 pairs, x̂ → fp16 staged
+by every program): half the wgmma instructions, and x̂ goes to the tensor core as loaded. Host
 side: a launch plan per shape (:func:`_launch`) calls the compiled kernel's launcher directly after the first call.
 """
 
@@ -61,7 +61,7 @@ from .w4a8_triton import (
 
 BLOCK_N = WG_ROWS  # output channels per program: wgmma's M
 MAX_TOKENS = 16  # wgmma's N at most here
-DEFAULT_GPC = 4  # groups per chunk (H200, M = 16: 4 beat 2 and 8 at both long-K shapes, NOTES version 12)
+DEFAULT_GPC = 4  # groups per chunk (H200, M = 16: 4 beat 2 and 8 at both long-K shapes)
 MAX_GPC = 8  # registers: a chunk's weights take GPC × 8 a thread, twice (this chunk's and the next)
 PROGRAMS_PER_SM = 2  # default runs: no more GEMM programs than this an SM (one wave)
 SHORT_RUN = 8  # groups of the default run in one chunk, where such runs fit one wave
@@ -268,7 +268,7 @@ def default_run(tiles: int, groups: int, sms: int) -> tuple[int, int]:
     once, also while a fused quantization is awaited) where ``tiles × runs ≤ PROGRAMS_PER_SM · sms`` (4096→4096
     on an H200); else the shortest run of :data:`DEFAULT_GPC`-group chunks dividing ``groups`` that fits
     (4096→14336: the whole K; 14336→4096: 28 groups), the whole K if none does. H200, M = 16, layer as graph
-    replays: 13.2 / 20.9 / 26.7 µs (NOTES, version 12; other runs and chunks in the sweep there)."""
+    replays: 13.2 / 20.9 / 26.7 µs (docs/performance.md)."""
     if groups % SHORT_RUN == 0 and tiles * (groups // SHORT_RUN) <= PROGRAMS_PER_SM * sms:
         return SHORT_RUN, SHORT_RUN
     gpc = run_shape(groups, groups)[0]

@@ -24,8 +24,8 @@ Each warpgroup waits for its own product before promoting it, and the two never 
 unpacks, the other's product keeps the tensor core busy. The version before ran both warpgroups as one 8-warp
 partition meeting at a bar.sync every group (so both promoted at the same time) and requested weights two groups
 ahead: the same numerics bit for bit, 8-13 % slower at M = 4096 on an H200 (warp specialization), and a further
-up to 10 % (weights four groups ahead) at the long-K and long-N shapes (eval/results/bench_linear/h200/NOTES.md,
-version 11). Two things measured and not kept: the product's wait right after its issue with the unpack and the
+up to 10 % (weights four groups ahead) at the long-K and long-N shapes (docs/performance.md).
+Two things measured and left out: the product's wait right after its issue with the unpack and the
 σ load after it (ptxas then keeps the four wgmma in flight, no advisory C7513, but the kernel was no faster), and
 BT = 256 (the accumulator and a group's product take 256 registers a thread: spills, 2.5× slower).
 """
@@ -58,7 +58,7 @@ from .w4a8_triton import _check_operands, quantize_activation_fp8
 
 BLOCK_N = gl.constexpr(128)  # output channels per program: two consumer warpgroups'
 DEFAULT_BT = 128  # tokens per program (wgmma N)
-DEFAULT_STAGES = 4  # x̂ buffers in the ring (H200: 4 as good as or better than 2, 3 and 6, NOTES version 11)
+DEFAULT_STAGES = 4  # x̂ buffers in the ring (H200: 4 as good as or better than 2, 3 and 6)
 CONSUMER_REGS = gl.constexpr(232)  # registers of a consumer thread (setmaxnreg): 2 · 128 · 232 + 128 · 24 ≤ 64 K
 PRODUCER_REGS = gl.constexpr(24)  # the least setmaxnreg takes
 

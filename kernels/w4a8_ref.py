@@ -20,7 +20,7 @@ FireQ (Baek et al. 2025) §3.1 and Appendix B/C.1, numerics the Triton GEMM repr
 * **Product** (§3.1.1): the INT4 weight becomes an FP8 MMA operand in registers. Two operand
   models are offered:
 
-  - ``"group"`` (default, the issue's kernel design): ŵ itself (exact in e4m3) is the operand;
+  - ``"group"`` (default, the kernels' design): ŵ itself (exact in e4m3) is the operand;
     each group's dot ``Σ_k x̂ ŵ`` is accumulated in FP32 and multiplied by that group's σ:
     ``y = β · δ⁻¹ · Σ_g σ_g · (x̂_g · ŵ_gᵀ) + bias``.
   - ``"lut"`` (FireQ's look-up table, §3.1.1 Step 1): a 16-entry FP8 table per group holds

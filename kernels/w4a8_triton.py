@@ -62,7 +62,7 @@ from .w4a8_ref import GROUP_SIZE
 
 ACT_BLOCK_K = 16384  # activation-quantization chunk along K: a row up to this long is read once
 # ... except rows longer than 2 · LONG_ROW_CHUNK of more than DECODE_BLOCK_M tokens: chunks of LONG_ROW_CHUNK, 8 warps,
-# the row read twice (H200, 4096 tokens × 14336: 68 µs against 152 µs in one 16384-wide chunk; NOTES version 10)
+# the row read twice (H200, 4096 tokens × 14336: 68 µs against 152 µs in one 16384-wide chunk)
 LONG_ROW_CHUNK = 2048
 
 
@@ -393,8 +393,7 @@ def _epilogue(acc, AS_ptr, B_ptr, PTS_ptr, offs_m, offs_n, m_ok, n_ok, HAS_BIAS:
 # runs), ``swap`` (the wgmma orientation), ``fused``: the activation quantization in the same launch where a
 # token's row fits one DECODE_QBLOCK chunk (a longer row, read in several passes by one program, would hold
 # every GEMM program up: there the activation kernel runs first). ``tiled``: the activation kernel, then
-# BLOCK_M × BLOCK_N FP8 tiles over all of K. Picked on an H200 by ``eval/bench_linear.py --tune``
-# (eval/results/bench_linear/h200/NOTES.md, tune.csv).
+# BLOCK_M × BLOCK_N FP8 tiles over all of K. Picked on an H200 by ``eval/bench_linear.py --tune``.
 GEMM_CONFIGS = (
     (16, dict(kernel="decode", block_n=64, gps=8, fused=1, swap=1, num_warps=4)),
     (256, dict(kernel="tiled", block_m=128, block_n=64, swap=0, num_warps=4, num_stages=4)),

@@ -4,17 +4,17 @@ Floors for quantized references are CosSim against a float64 attention at D=128,
 tokens, B=1, H=4 (seed 0 of ``quantpatch.synthetic``), measured on CPU and rounded down.
 """
 
-# Issue 2 acceptance: sage2-8b / int8-flash / turbo >= 0.999 on randn.
+# Acceptance floors: sage2-8b / int8-flash / turbo >= 0.999 on randn.
 RANDN_COS_FLOOR = {
     "sage2-8b": 0.999,
     "int8-flash": 0.999,
     "turbo": 0.999,
     # Measured 0.99866: FP8 E4M3 Q/K (3 mantissa bits) alone gives 0.99929 and FP8 P/V alone
-    # 0.99936 on N(0, 1); the issue's 0.999 is not reachable with FireQ's numerics on randn.
+    # 0.99936 on N(0, 1); a 0.999 floor is not reachable with FireQ's numerics on randn.
     "fireq": 0.998,
     # Measured 0.9789 (per-thread INT4); even per-token INT4 with FP16 P·V gives 0.9857: 15
-    # levels over ±3.3σ add score noise of std ≈ 0.19 against a score std of 1. The issue's
-    # 0.99 is not reachable with SageAttention2's INT4 numerics on randn.
+    # levels over ±3.3σ add score noise of std ≈ 0.19 against a score std of 1. A 0.99
+    # floor is not reachable with SageAttention2's INT4 numerics on randn.
     "sage2-4b": 0.975,
 }
 

@@ -2,7 +2,7 @@
 
 Without CUDA the kernels run in the Triton interpreter (``conftest.py``) on small shapes; the
 ``gpu``-marked tests run compiled on the device machine (larger shapes, the TurboCache wiring, the
-issue's speed point).
+decode speed target).
 
 Bounds, and where they come from:
 * compression: every stored tensor (packed codes, ``s^int``, ``z^int``, block scales, the buffer)
