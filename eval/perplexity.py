@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> dict:
         if mode == "off":
             value = evaluate(name, cache or "dynamic")
         else:
-            with quantpatch.patch_model(model, mode) as handle:
+            with quantpatch.patch_model(model, mode, policy="always") as handle:
                 value = evaluate(name, cache or "dynamic")
             if handle.fallbacks():
                 logger.warning("%s fell back: %s", mode, handle.fallbacks())

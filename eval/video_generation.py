@@ -12,7 +12,7 @@ no tokenizer, so each prompt's UTF-8 bytes stand in for token ids). Prompts: a t
 non-empty line) or a jsonl file (``prompt`` field, else ``text``).
 
 Every (prompt, seed) is generated with the pipeline's own attention (``fp``) and with each mode
-(``quantpatch.patch_model(pipe, mode)``, removed before the next), the initial noise from a CPU
+(``quantpatch.patch_model(pipe, mode, policy="always")``, removed before the next), the initial noise from a CPU
 generator seeded with the seed, so all rows start from the same latents. ``--repeat-fp`` generates
 ``fp`` once more after all modes: its PSNR against the first is ``inf`` when generation is
 deterministic and the patches left nothing behind. Before each row's timed calls, ``--warmup``
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> dict:
     per_video, row_info = [], {}
     for row in rows:
         mode = None if row.startswith("fp") else row
-        handle = quantpatch.patch_model(pipe, mode) if mode else None
+        handle = quantpatch.patch_model(pipe, mode, policy="always") if mode else None
         try:
             for _ in range(args.warmup):
                 generate(pipe, conditioning(prompts[0]), args.seeds[0], args, steps=1)

@@ -71,7 +71,8 @@ def patch_diffusers_model(
             replacements[site] = processor
             continue
         record = handle.add_site(site, "attention", f"quantpatch {mode.name} attention in {type(processor).__name__}")
-        replacements[site] = wrap_processor(processor, handle.attention_config(site), record, strict, route)
+        replacements[site] = wrap_processor(processor, handle.attention_config(site), record, strict, route,
+                                            handle.policy)
     if owners is None:
         transformer.set_attn_processor(replacements)
         handle.add_undo(lambda: transformer.set_attn_processor(originals))

@@ -18,18 +18,27 @@ import torch
 
 from quantpatch.api import attention
 from quantpatch.config import AttentionConfig
-from quantpatch.fallback import SiteRecord, fall_back, running_site
+from quantpatch.dispatch import speed_reason
+from quantpatch.fallback import SiteRecord, fall_back, note_sdpa_route, running_site
 
 
 class _Router:
     """The quantized replacements for one processor call, with the originals for fallback."""
 
-    def __init__(self, config: AttentionConfig, record: SiteRecord, strict: bool, dispatch: Callable | None):
-        self.config, self.record, self.strict = config, record, strict
+    def __init__(self, config: AttentionConfig, record: SiteRecord, strict: bool, dispatch: Callable | None,
+                 policy: str):
+        self.config, self.record, self.strict, self.policy = config, record, strict, policy
         self.original_dispatch = dispatch
         self.original_sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def _run(self, layout, query, key, value, attn_mask, dropout_p, is_causal, scale, reason):
+        if self.policy == "speed" and not reason:
+            seq = 1 if layout == "BSHD" else 2
+            why = speed_reason(self.config, query.device, query.shape[-1], query.shape[seq], key.shape[seq],
+                               is_causal)
+            if why is not None:  # the processor's own attention: its unpatched result and speed
+                note_sdpa_route(self.record, why)
+                return None
         if dropout_p:
             reason = "attention dropout"
         elif is_causal and query.shape[1 if layout == "BSHD" else 2] != key.shape[1 if layout == "BSHD" else 2]:
@@ -40,7 +49,7 @@ class _Router:
             return None
         with running_site(self.record):
             return attention(query, key, value, mode=self.config, is_causal=is_causal, scale=scale, layout=layout,
-                             attn_mask=attn_mask, strict=self.strict)
+                             attn_mask=attn_mask, strict=self.strict, policy=self.policy)
 
     def dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                  enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
@@ -74,13 +83,15 @@ def _swapped(owner: Any, name: str, value: Any) -> Iterator[None]:
 class QuantpatchProcessor:
     """Runs ``original`` with its attention product quantized; see the module docstring."""
 
-    def __init__(self, original: Any, config: AttentionConfig, record: SiteRecord, strict: bool, route: str):
+    def __init__(self, original: Any, config: AttentionConfig, record: SiteRecord, strict: bool, route: str,
+                 policy: str):
         self.original, self.config, self.record, self.strict, self.route = original, config, record, strict, route
+        self.policy = policy
 
     def __call__(self, attn: Any, *args: Any, **kwargs: Any) -> Any:
         module = sys.modules[type(self.original).__module__]
         dispatch = getattr(module, "dispatch_attention_fn", None)
-        router = _Router(self.config, self.record, self.strict, dispatch)
+        router = _Router(self.config, self.record, self.strict, dispatch, self.policy)
         with contextlib.ExitStack() as stack:
             if self.route == "dispatch" and dispatch is not None:
                 stack.enter_context(_swapped(module, "dispatch_attention_fn", router.dispatch))
@@ -93,7 +104,8 @@ class QuantpatchProcessor:
         return getattr(self.original, name)
 
 
-def wrap_processor(original: Any, config: AttentionConfig, record: SiteRecord, strict: bool, route: str) -> Any:
+def wrap_processor(original: Any, config: AttentionConfig, record: SiteRecord, strict: bool, route: str,
+                   policy: str) -> Any:
     """A :class:`QuantpatchProcessor` whose ``__call__`` signature is ``original``'s.
 
     Diffusers drops call kwargs that the processor's signature lacks, so the wrapper must
@@ -106,4 +118,4 @@ def wrap_processor(original: Any, config: AttentionConfig, record: SiteRecord, s
 
     __call__.__signature__ = inspect.signature(call)
     cls = type(f"Quantpatch{type(original).__name__}", (QuantpatchProcessor,), {"__call__": __call__})
-    return cls(original, config, record, strict, route)
+    return cls(original, config, record, strict, route, policy)

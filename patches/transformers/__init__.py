@@ -74,7 +74,7 @@ def patch_transformers_model(
         runs = f"quantpatch {mode.name} attention" if is_selected else f"original {original_impl} attention (excluded)"
         record = handle.add_site(name, "attention", runs)
         config = handle.attention_config(name) if is_selected else None
-        site = AttentionSite(config, record, strict, original_impl, softcap)
+        site = AttentionSite(config, record, strict, original_impl, softcap, handle.policy)
         handle.setattr(module, SITE_ATTR, site)
 
     key = f"quantpatch_{next(_keys)}"

@@ -22,7 +22,8 @@ import torch
 from quantpatch.api import attention
 from quantpatch.config import AttentionConfig
 from quantpatch.convert import apply_online_crs, crs_buffers
-from quantpatch.fallback import SiteRecord, fall_back, running_site
+from quantpatch.dispatch import speed_reason
+from quantpatch.fallback import SiteRecord, fall_back, note_sdpa_route, running_site
 from quantpatch.patches.transformers.turbo_cache import READS_TURBO_LAYERS, turbo_cache_attention, turbo_layer_for
 
 SITE_ATTR = "_quantpatch_site"
@@ -37,6 +38,7 @@ class AttentionSite:
     strict: bool
     original_impl: str
     softcap: float | None
+    policy: str = "speed"
 
 
 def original_attention(module: Any, impl: str) -> Callable:
@@ -121,6 +123,13 @@ def make_attention_function() -> Callable:
                         softcap=softcap, is_causal=is_causal, **kwargs)
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         causal = bool(causal) and attention_mask is None and query.shape[2] > 1
+        if site.policy == "speed" and turbo_layer is None:
+            why = speed_reason(site.config, query.device, query.shape[-1], query.shape[2], key.shape[2], causal)
+            if why is not None:  # the model's own attention: exactly its unpatched result and speed
+                note_sdpa_route(site.record, why)
+                return original_attention(module, site.original_impl)(
+                    module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap,
+                    is_causal=is_causal, **kwargs)
         if causal and turbo_layer is None and query.shape[2] != key.shape[2]:
             key, value, attention_mask = _transformers_causal(query, key, value)
             causal = attention_mask is None
@@ -143,7 +152,7 @@ def make_attention_function() -> Callable:
                                             is_causal=causal, scale=scaling)
             else:
                 out = attention(query, key, value, mode=site.config, is_causal=causal, scale=scaling,
-                                attn_mask=attention_mask, strict=site.strict)
+                                attn_mask=attention_mask, strict=site.strict, policy=site.policy)
         return out.transpose(1, 2).contiguous(), None
 
     setattr(quantpatch_attention_forward, READS_TURBO_LAYERS, True)

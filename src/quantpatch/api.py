@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from quantpatch.config import AttentionConfig, ModeConfig
-from quantpatch.dispatch import AttentionCall, select
-from quantpatch.fallback import fall_back, note_implementation
+from quantpatch.dispatch import REFERENCE, AttentionCall, check_policy, select, speed_reason
+from quantpatch.fallback import fall_back, note_implementation, note_sdpa_route
 from quantpatch.modes import get_mode
 
 LAYOUTS = ("BHSD", "BSHD")
@@ -58,7 +58,9 @@ def sdpa_attention(call: AttentionCall):
         return o.to(q.dtype), lse
     h, nq, nk = q.shape[1], q.shape[-2], k.shape[-2]
     mask = call.attn_mask
-    if call.is_causal:  # SDPA's own is_causal is top-left aligned; ours is bottom-right
+    if call.is_causal and mask is None and nq == nk:  # square: SDPA's top-left is_causal is ours (flash / cuDNN)
+        return _TORCH_SDPA(q, k, v, scale=call.scale, is_causal=True, **_gqa(h, k))
+    if call.is_causal and nq > 1:  # SDPA's own is_causal is top-left aligned; ours is bottom-right
         causal = causal_allowed(nq, nk, 0, nk, q.device)
         if mask is None:
             mask = causal
@@ -66,7 +68,13 @@ def sdpa_attention(call: AttentionCall):
             mask = mask & causal
         else:
             mask = mask.masked_fill(~causal, float("-inf"))
+    if mask is None:
+        return _TORCH_SDPA(q, k, v, scale=call.scale, **_gqa(h, k))
     return _TORCH_SDPA(q, expand_kv(k, h), expand_kv(v, h), attn_mask=mask, scale=call.scale)
+
+
+def _gqa(h: int, k: torch.Tensor) -> dict:
+    return {"enable_gqa": True} if k.shape[1] != h else {}
 
 
 def attention(
@@ -81,6 +89,7 @@ def attention(
     attn_mask: torch.Tensor | None = None,
     return_lse: bool = False,
     strict: bool = False,
+    policy: str = "always",
 ):
     """Quantized scaled-dot-product attention.
 
@@ -93,6 +102,8 @@ def attention(
         attn_mask: bool (True = attend) or additive float mask broadcastable to ``(B, H, Nq, Nk)``.
         return_lse: also return the log-sum-exp ``(B, H, Nq)`` in float32 (natural log).
         strict: raise :class:`~quantpatch.fallback.UnsupportedError` instead of falling back to SDPA.
+        policy: ``"always"`` runs the mode's numerics; ``"speed"`` runs them only where this GPU's
+            crossover table (:mod:`quantpatch.routing`) says they beat SDPA, else SDPA (exact, faster).
 
     Returns:
         ``o`` in ``q``'s dtype and layout (and ``lse`` if asked). Inputs a quantized path cannot
@@ -121,6 +132,7 @@ def attention(
         # a view: the paths slice query/key blocks of the mask, so its last two dims must be real
         attn_mask = attn_mask.expand(*attn_mask.shape[:-2], nq, nk)
     cfg = resolve_attention_config(mode)
+    check_policy(policy)
     call = AttentionCall(q, k, v, cfg, is_causal, scale, attn_mask, return_lse)
 
     if q.numel() == 0 or nk == 0:  # nothing to attend: zeros (and lse = -inf), like an all-masked row
@@ -128,9 +140,18 @@ def attention(
     elif not cfg.quantized:
         result = sdpa_attention(call)
     else:
-        impl, declined = select(call)
-        if impl is None:
-            fall_back(f"quantpatch.attention(numerics={cfg.numerics!r})", "; ".join(declined), strict=strict)
+        why = speed_reason(cfg, q.device, d, nq, nk, is_causal) if policy == "speed" else None
+        impl = None
+        if why is None:
+            impl, declined = select(call)
+            if impl is None:
+                fall_back(f"quantpatch.attention(numerics={cfg.numerics!r})", "; ".join(declined), strict=strict)
+            elif policy == "speed" and impl.name == REFERENCE:
+                why = f"only the PyTorch reference takes this call ({'; '.join(declined)})"
+        if why is not None:
+            note_sdpa_route(None, why)
+            result = sdpa_attention(call)
+        elif impl is None:
             result = sdpa_attention(call)
         else:
             note_implementation(impl.name)

@@ -114,6 +114,55 @@ def select(call: AttentionCall) -> tuple[Implementation | None, list[str]]:
     return None, declined
 
 
+POLICIES = ("speed", "always")
+REFERENCE = "reference"
+_CROSSOVERS: dict[tuple, tuple[float, str]] = {}
+
+
+def check_policy(policy: str) -> str:
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r} is not valid; choose one of {list(POLICIES)}")
+    return policy
+
+
+def speed_reason(cfg: AttentionConfig, device: torch.device, head_dim: int, nq: int, nk: int,
+                 is_causal: bool) -> str | None:
+    """Why ``policy="speed"`` runs SDPA for this call rather than ``cfg``'s kernel (None: the kernel).
+
+    Decided from shapes against the crossover table of the device's architecture
+    (:mod:`quantpatch.routing`); the table lookup is cached per (device, config, head dim, causal), so
+    a call costs a dict lookup and two comparisons.
+    """
+    if device.type != "cuda":
+        return "SDPA is faster than the PyTorch reference off the GPU"
+    key = (device, cfg, head_dim, is_causal)
+    entry = _CROSSOVERS.get(key)
+    if entry is None:
+        from quantpatch import routing
+
+        architecture = routing.arch(device)
+        table, source = routing.table_for(architecture)
+        length = routing.min_length(table, cfg, head_dim, is_causal)
+        kind = "causal" if is_causal else "non-causal"
+        if table is None:
+            why = f"no measured crossover for {architecture} (run `quantpatch tune`)"
+        elif length == float("inf"):
+            why = f"SDPA was faster at every measured length on {architecture} (D={head_dim}, {kind}; {source})"
+        else:
+            why = f"shorter than the {architecture} crossover of {length} tokens (D={head_dim}, {kind}; {source})"
+        entry = _CROSSOVERS[key] = (length, why)
+    length, why = entry
+    return why if nq < length or nk < length else None
+
+
+def forget_crossovers() -> None:
+    """Drop the cached routing decisions (after ``quantpatch tune``, and in tests)."""
+    from quantpatch import routing
+
+    _CROSSOVERS.clear()
+    routing.forget_tables()
+
+
 def _reference_unsupported(call: AttentionCall) -> str | None:
     lo, hi = REFERENCE_HEAD_DIMS
     d = call.q.shape[-1]
@@ -145,4 +194,4 @@ def _reference_run(call: AttentionCall):
 
 
 for _numerics in _REGISTRY:
-    register(_numerics, Implementation("reference", 0, _reference_unsupported, _reference_run))
+    register(_numerics, Implementation(REFERENCE, 0, _reference_unsupported, _reference_run))

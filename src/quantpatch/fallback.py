@@ -25,6 +25,7 @@ class SiteRecord:
     runs: str
     fallbacks: set[str] = field(default_factory=set)
     implementations: set[str] = field(default_factory=set)
+    routes: dict[str, int] = field(default_factory=dict)  # calls per route ("triton", "sdpa: <why>", ...)
 
 
 # The patched site currently running, so that a fallback deep inside quantpatch.attention is
@@ -80,10 +81,19 @@ def fall_back(what: str, reason: str, *, strict: bool, to: str = "full precision
 
 
 def note_implementation(name: str) -> None:
-    """Record on the running site (if any) which implementation served a call."""
+    """Record on the running site (if any) which implementation served a call, and count the call."""
     site = _running_site()
     if site is not None:
         site.implementations.add(name)
+        site.routes[name] = site.routes.get(name, 0) + 1
+
+
+def note_sdpa_route(record: SiteRecord | None, why: str) -> None:
+    """Count a call of ``record`` (or of the running site) that ran SDPA by policy, with why."""
+    site = record if record is not None else _running_site()
+    if site is not None:
+        route = f"sdpa: {why}"
+        site.routes[route] = site.routes.get(route, 0) + 1
 
 
 def reset_fallback_warnings() -> None:

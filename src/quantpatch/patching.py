@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from quantpatch.config import AttentionConfig, ModeConfig
-from quantpatch.dispatch import preload_kernels
+from quantpatch.dispatch import check_policy, preload_kernels
 from quantpatch.fallback import SiteRecord
 from quantpatch.modes import get_mode
 
@@ -24,9 +24,11 @@ PATCHED_MARK = "_quantpatch_handle"
 class PatchHandle:
     """Undo log and report of one :func:`patch_model` call; a context manager that removes itself."""
 
-    def __init__(self, model: torch.nn.Module, mode: ModeConfig, overrides: dict[str, dict[str, Any]] | None = None):
+    def __init__(self, model: torch.nn.Module, mode: ModeConfig, overrides: dict[str, dict[str, Any]] | None = None,
+                 policy: str = "speed"):
         self.model = model
         self.mode = mode
+        self.policy = check_policy(policy)
         self.overrides = dict(overrides or {})
         self.sites: list[SiteRecord] = []
         self.notes: list[str] = []
@@ -89,11 +91,12 @@ class PatchHandle:
     # -- report -------------------------------------------------------------------
     def report(self) -> str:
         """Each patched site, what it now runs, and every fallback with its reason."""
-        lines = [f"quantpatch mode {self.mode.name!r} on {type(self.model).__name__} "
+        lines = [f"quantpatch mode {self.mode.name!r} (policy {self.policy!r}) on {type(self.model).__name__} "
                  f"({'active' if self.active else 'removed'})"]
         for site in self.sites:
             ran = f" [{', '.join(sorted(site.implementations))}]" if site.implementations else ""
             lines.append(f"  {site.kind:<9} {site.name}: {site.runs}{ran}")
+            lines.extend(f"      {calls:>6} calls: {route}" for route, calls in sorted(site.routes.items()))
             lines.extend(f"      fallback: {reason}" for reason in sorted(site.fallbacks))
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
@@ -115,6 +118,7 @@ def patch_model(
     include: list[str] | None = None,
     exclude: list[str] | None = None,
     overrides: dict[str, dict[str, Any]] | None = None,
+    policy: str = "speed",
 ) -> PatchHandle:
     """Swap the attention of a loaded Transformers model (or Diffusers pipeline/transformer).
 
@@ -125,6 +129,11 @@ def patch_model(
         include / exclude: module-name substrings selecting which attention sites to patch.
         overrides: per-site attention options keyed by the site's full name (as in ``report()``),
             e.g. ``{"model.layers.0.self_attn": {"qk_format": "int8", "qk_qmax": 127}}``.
+        policy: ``"speed"`` (default): each call runs the mode's kernel only where this GPU's crossover
+            table (:mod:`quantpatch.routing`, re-measured by ``quantpatch tune``) says it beats SDPA, else
+            the model's own attention, so a patched model is never slower (on the CPU, every call runs
+            SDPA). ``"always"``: every call runs the mode's numerics (accuracy studies, CPU reference).
+            ``report()`` counts each site's calls per route.
 
     Returns:
         A :class:`PatchHandle`: ``.remove()`` (or leaving its ``with`` block) restores the model.
@@ -139,7 +148,7 @@ def patch_model(
         )
     if getattr(model, PATCHED_MARK, None) is not None:
         raise ValueError("this model is already patched by quantpatch; call .remove() on its handle first")
-    handle = PatchHandle(model, config, overrides)
+    handle = PatchHandle(model, config, overrides, policy)
     preload_kernels()  # not on a first call under torch.compile (an import there breaks the graph)
     from quantpatch.patches import patch_for
 

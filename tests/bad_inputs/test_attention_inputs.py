@@ -223,7 +223,7 @@ def test_prefill_into_a_static_cache(mode, one_cpu_thread):
             return model(ids, **{cache_kw: StaticCache(config=model.config, max_cache_len=64)}).logits
 
     ref = logits()
-    with qp.patch_model(model, mode):
+    with qp.patch_model(model, mode, policy="always"):
         out = logits()
     if mode == "off":
         assert torch.equal(out, ref)
@@ -235,9 +235,9 @@ def test_generate_with_a_static_cache_matches_unpatched(one_cpu_thread):
     model, ids = _pydoc()
     kw = dict(max_new_tokens=12, do_sample=False, cache_implementation="static")
     ref = model.generate(ids, **kw)
-    with qp.patch_model(model, "off"):
+    with qp.patch_model(model, "off", policy="always"):
         assert torch.equal(model.generate(ids, **kw), ref)
-    with qp.patch_model(model, "sage2-8b"):
+    with qp.patch_model(model, "sage2-8b", policy="always"):
         out = model.generate(ids, **kw)
     assert (out[0, 19:] == ref[0, 19:]).sum() >= 11
 
@@ -250,9 +250,9 @@ def test_generate_with_left_padding_and_sliding_windows_is_exact_under_off(famil
     mask[1, :6] = 0  # left padding
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     ref = model.generate(ids, **kw)
-    with qp.patch_model(model, "off"):
+    with qp.patch_model(model, "off", policy="always"):
         assert torch.equal(model.generate(ids, **kw), ref)
-    with qp.patch_model(model, "sage2-8b"):
+    with qp.patch_model(model, "sage2-8b", policy="always"):
         assert model.generate(ids, **kw).shape == ref.shape
 
 
@@ -277,7 +277,7 @@ def test_t5_position_bias_is_honoured(mode, one_cpu_thread):
     dec = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = model(input_ids=ids, decoder_input_ids=dec).logits
-        with qp.patch_model(model, mode):
+        with qp.patch_model(model, mode, policy="always"):
             out = model(input_ids=ids, decoder_input_ids=dec).logits
     if mode == "off":
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -291,7 +291,7 @@ def test_attention_sinks_fall_back_naming_the_input(no_leaks):
     model = tiny_model("llama")
     module = model.model.layers[0].self_attn
     q, k, v = attention_inputs("randn", heads=2, kv_heads=1, seq_q=5, head_dim=32)
-    with qp.patch_model(model, "sage2-8b", strict=True):
+    with qp.patch_model(model, "sage2-8b", strict=True, policy="always"):
         from transformers import AttentionInterface
 
         fn = AttentionInterface._global_mapping[model.config._attn_implementation]
@@ -313,7 +313,7 @@ def test_patched_model_compiles_fullgraph_on_cpu(one_cpu_thread):
     model = tiny_model("llama")
     ids = torch.randint(3, 100, (1, 24), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
-    with qp.patch_model(model, "sage2-8b"), torch.no_grad():
+    with qp.patch_model(model, "sage2-8b", policy="always"), torch.no_grad():
         eager = model(ids).logits
         compiled = torch.compile(model, fullgraph=True)(ids).logits
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
@@ -321,6 +321,6 @@ def test_patched_model_compiles_fullgraph_on_cpu(one_cpu_thread):
 
 def test_patching_twice_raises(no_leaks):
     model = tiny_model("llama")
-    with qp.patch_model(model, "sage2-8b"):
+    with qp.patch_model(model, "sage2-8b", policy="always"):
         with pytest.raises(ValueError, match="already patched"):
-            qp.patch_model(model, "int8-flash")
+            qp.patch_model(model, "int8-flash", policy="always")

@@ -111,7 +111,7 @@ def test_family_is_patched_and_restored_bitwise(family, no_swaps_left):
     assert Counter(type(p).__name__ for p in originals.values()) == EXPECTED_PROCESSORS[family]
     base, base_attn = _run_capturing(model, call, list(originals))
 
-    handle = qp.patch_model(model, "sage2-8b")
+    handle = qp.patch_model(model, "sage2-8b", policy="always")
     report = handle.report()
     assert [s.name for s in handle.sites] == list(originals)
     for site, processor in originals.items():
@@ -135,7 +135,7 @@ def test_every_mode_stays_close_on_wan(mode, no_swaps_left):
     model, call = tiny_transformer("WanTransformer3DModel")
     sites = list(_processors(model))
     base, base_attn = _run_capturing(model, call, sites)
-    with qp.patch_model(model, mode) as handle:
+    with qp.patch_model(model, mode, policy="always") as handle:
         _, patched_attn = _run_capturing(model, call, sites)
     assert not handle.fallbacks()
     assert _worst_attention_cos(patched_attn, base_attn) > ATTENTION_COS_FLOOR[mode]
@@ -146,7 +146,7 @@ def test_include_exclude_keep_the_original_processor(no_swaps_left):
     model, call = tiny_transformer("FluxTransformer2DModel")
     originals = _processors(model)
     base = call()
-    with qp.patch_model(model, "sage2-8b", exclude=["single_transformer_blocks"]) as handle:
+    with qp.patch_model(model, "sage2-8b", exclude=["single_transformer_blocks"], policy="always") as handle:
         runs = {s.name: s.runs for s in handle.sites}
         now = _processors(model)
         patched = call()
@@ -195,7 +195,7 @@ def test_wan_pipeline_end_to_end_patches_only_the_transformer(no_swaps_left):
     text_attn = pipe.text_encoder.config._attn_implementation
     originals = _processors(pipe.transformer)
 
-    handle = qp.patch_model(pipe, "sage2-8b")
+    handle = qp.patch_model(pipe, "sage2-8b", policy="always")
     assert handle.model is pipe and [s.name for s in handle.sites] == list(originals)
     assert all(p is not originals[site] for site, p in _processors(pipe.transformer).items())
     # the VAE and the text encoder are untouched: no attribute swapped, outputs bitwise equal
@@ -217,16 +217,16 @@ def test_wan_pipeline_end_to_end_patches_only_the_transformer(no_swaps_left):
 
 def test_patching_a_pipeline_twice_raises(no_swaps_left):
     pipe, *_ = tiny_wan_pipeline()
-    with qp.patch_model(pipe, "sage2-8b"):
+    with qp.patch_model(pipe, "sage2-8b", policy="always"):
         with pytest.raises(ValueError, match="already patched"):
-            qp.patch_model(pipe, "sage2-8b")
+            qp.patch_model(pipe, "sage2-8b", policy="always")
 
 
 def _second_patch_error(first, second) -> str | None:
     """The error of patching ``second`` while ``first`` is patched (None if it went through: undone at once)."""
-    with qp.patch_model(first, "sage2-8b"):
+    with qp.patch_model(first, "sage2-8b", policy="always"):
         try:
-            extra = qp.patch_model(second, "sage2-8b")
+            extra = qp.patch_model(second, "sage2-8b", policy="always")
         except ValueError as err:
             return str(err)
         extra.remove()
@@ -253,7 +253,7 @@ def test_gpu_wan_pipeline_runs_the_kernels(no_swaps_left):
                     output_type="pt").frames.float()
 
     base = run()
-    with qp.patch_model(pipe, "sage2-8b") as handle:
+    with qp.patch_model(pipe, "sage2-8b", policy="always") as handle:
         patched = run()
     print(handle.report())
     assert all(site.implementations == {"triton"} for site in handle.sites)

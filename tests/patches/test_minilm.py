@@ -61,7 +61,7 @@ def _hidden(model, ids: torch.Tensor) -> torch.Tensor:
 def test_embeddings_stay_close_and_remove_is_exact(minilm_model, mode, no_leaks):
     model, tok = minilm_model
     base = _embed(model, tok, SENTENCES)
-    with qp.patch_model(model, mode) as handle:
+    with qp.patch_model(model, mode, policy="always") as handle:
         patched = _embed(model, tok, SENTENCES)
         alone = torch.cat([_embed(model, tok, [s]) for s in SENTENCES])
     assert len(handle.sites) == 6 and all(f"quantpatch {mode} attention" in s.runs for s in handle.sites)
@@ -76,7 +76,7 @@ def test_embeddings_stay_close_and_remove_is_exact(minilm_model, mode, no_leaks)
 def test_padding_mask_is_honoured_exactly(minilm_model, no_leaks):
     model, tok = minilm_model
     exact = qp.get_mode("sage2-8b", qk_format="none", pv_format="none", smooth_q=False)
-    with qp.patch_model(model, exact):
+    with qp.patch_model(model, exact, policy="always"):
         batch = _embed(model, tok, SENTENCES)
         alone = torch.cat([_embed(model, tok, [s]) for s in SENTENCES])
     torch.testing.assert_close(batch, alone, rtol=0, atol=PADDED_BATCH_EXACT_ATOL)
@@ -93,7 +93,7 @@ def test_encoder_attention_is_not_causal(minilm_model, no_leaks):
     reversed_ids = ids.clone()
     reversed_ids[0, 1:-1] = ids[0, 1:-1].flip(0)  # same [CLS] and [SEP], later tokens reversed
     base, causal_like = _hidden(model, ids)[0], _hidden(model, ids[:, :1])[0]
-    with qp.patch_model(model, "sage2-8b"):
+    with qp.patch_model(model, "sage2-8b", policy="always"):
         patched, patched_reversed = _hidden(model, ids)[0], _hidden(model, reversed_ids)[0]
     # measured: 0.999825 vs the unpatched token 0, 0.7492 vs the one-token run, 0.9532 vs reversed
     assert qp.cos_sim(patched, base) > 0.999

@@ -52,15 +52,15 @@ def _margin_at(model, tok, prompt, generated, step):
 
 
 def test_sage2_8b_keeps_greedy_tokens_except_at_near_ties(pydoc, no_leaks):
-    # Issue 4 asks for identical 16-token greedy output on 5 prompts under sage2-8b. Measured on the
-    # CPU: 5/5 at 2f8ad5d; 4/5 at an earlier commit of session 1 (16/20 on pydoc-val prompts there;
+    # The target is identical 16-token greedy output on 5 prompts under sage2-8b. Measured on the
+    # CPU: 5/5 at 2f8ad5d; 4/5 at an earlier commit (16/20 on pydoc-val prompts there;
     # int8-flash 5/5 and 19/20). The one prompt that flips with rounding is a near-tie: "import os ...
     # list_files(path):\n" has 'def' ahead of '\n' by 0.074 logits, and FP8 P̃·V moves that margin
     # by about 0.05 (Q·K INT8 by 0.01). Asserted: at least 4/5, and every divergence starts where the
     # unpatched model's top-2 margin is under 0.15 logits.
     model, tok = pydoc
     base = [_greedy(model, tok, p) for p in PROMPTS]
-    with qp.patch_model(model, "sage2-8b") as handle:
+    with qp.patch_model(model, "sage2-8b", policy="always") as handle:
         patched = [_greedy(model, tok, p) for p in PROMPTS]
     assert len(handle.sites) == 6 and not handle.fallbacks()
     same = sum(a == b for a, b in zip(base, patched))

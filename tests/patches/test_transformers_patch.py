@@ -29,7 +29,7 @@ def test_family_is_patched_and_restored_bitwise(family, no_leaks):
     reset_fallback_warnings()
     model, inputs = tiny_model(family), _inputs(family)
     base = _out(model, inputs)
-    handle = qp.patch_model(model, "sage2-8b")
+    handle = qp.patch_model(model, "sage2-8b", policy="always")
     sites = [s for s in handle.sites if s.kind == "attention"]
     assert len(sites) == 2 and all("quantpatch sage2-8b" in s.runs for s in sites)
     patched = _out(model, inputs)
@@ -48,7 +48,7 @@ def test_family_is_patched_and_restored_bitwise(family, no_leaks):
 def test_every_mode_stays_close_on_llama(mode, no_leaks):
     model, inputs = tiny_model("llama"), _inputs("llama")
     base = _out(model, inputs)
-    with qp.patch_model(model, mode) as handle:
+    with qp.patch_model(model, mode, policy="always") as handle:
         assert qp.cos_sim(_out(model, inputs), base) > LOGIT_COS_FLOOR[mode]
     assert not handle.active and torch.equal(_out(model, inputs), base)
 
@@ -59,7 +59,8 @@ def test_padding_mask_is_honoured():
     mask = torch.ones_like(ids)
     mask[0, :7] = 0  # left padding
     base = _out(model, {"input_ids": ids, "attention_mask": mask})
-    with qp.patch_model(model, qp.get_mode("sage2-8b", qk_format="none", pv_format="none", smooth_q=False)):
+    unquantized = qp.get_mode("sage2-8b", qk_format="none", pv_format="none", smooth_q=False)
+    with qp.patch_model(model, unquantized, policy="always"):
         patched = _out(model, {"input_ids": ids, "attention_mask": mask})
     # unquantized numerics through our path: equal to the model's own attention up to float rounding
     torch.testing.assert_close(patched[0, 7:], base[0, 7:], rtol=1e-4, atol=1e-4)
@@ -68,7 +69,7 @@ def test_padding_mask_is_honoured():
 
 def test_include_exclude_and_report(no_leaks):
     model = tiny_model("llama")
-    with qp.patch_model(model, "sage2-4b", exclude=["layers.1."]) as handle:
+    with qp.patch_model(model, "sage2-4b", exclude=["layers.1."], policy="always") as handle:
         runs = {s.name: s.runs for s in handle.sites}
         report = handle.report()
     assert "quantpatch sage2-4b" in runs["model.layers.0.self_attn"]
@@ -78,27 +79,27 @@ def test_include_exclude_and_report(no_leaks):
 
 def test_patching_twice_or_compiled_raises(no_leaks):
     model = tiny_model("llama")
-    with qp.patch_model(model, "sage2-8b"):
+    with qp.patch_model(model, "sage2-8b", policy="always"):
         with pytest.raises(ValueError, match="already patched"):
-            qp.patch_model(model, "sage2-8b")
+            qp.patch_model(model, "sage2-8b", policy="always")
     with pytest.raises(ValueError, match="torch.compile"):
-        qp.patch_model(torch.compile(model), "sage2-8b")
+        qp.patch_model(torch.compile(model), "sage2-8b", policy="always")
 
 
 def test_unknown_mode_and_model_kinds_raise():
     with pytest.raises(ValueError, match="valid modes"):
-        qp.patch_model(tiny_model("llama"), "int3")
+        qp.patch_model(tiny_model("llama"), "int3", policy="always")
     with pytest.raises(ValueError, match="supports transformers PreTrainedModel"):
-        qp.patch_model(torch.nn.Linear(2, 2), "sage2-8b")
+        qp.patch_model(torch.nn.Linear(2, 2), "sage2-8b", policy="always")
 
 
 def test_softcap_fallback_warns_once_and_strict_raises():
     reset_fallback_warnings()
     model, inputs = tiny_model("gemma2"), _inputs("gemma2")
-    with qp.patch_model(model, "sage2-8b"):
+    with qp.patch_model(model, "sage2-8b", policy="always"):
         with pytest.warns(qp.QuantpatchFallbackWarning, match="softcapping"):
             _out(model, inputs)
-    with qp.patch_model(model, "sage2-8b", strict=True):
+    with qp.patch_model(model, "sage2-8b", strict=True, policy="always"):
         with pytest.raises(qp.UnsupportedError, match="softcapping"):
             _out(model, inputs)
 
@@ -106,14 +107,14 @@ def test_softcap_fallback_warns_once_and_strict_raises():
 def test_per_site_overrides_apply_and_unknown_ones_raise(no_leaks):
     model = tiny_model("llama")
     overrides = {"model.layers.1.self_attn": {"qk_format": "int8", "qk_qmax": 127}}
-    with qp.patch_model(model, "sage2-4b", overrides=overrides):
+    with qp.patch_model(model, "sage2-4b", overrides=overrides, policy="always"):
         sites = {n: m._quantpatch_site.config for n, m in model.named_modules() if hasattr(m, "_quantpatch_site")}
     assert sites["model.layers.0.self_attn"].qk_format == "int4"
     assert sites["model.layers.1.self_attn"].qk_format == "int8"
     with pytest.raises(ValueError, match="overrides name unknown sites"):
-        qp.patch_model(model, "sage2-4b", overrides={"model.layers.9.self_attn": {"smooth_q": False}})
+        qp.patch_model(model, "sage2-4b", overrides={"model.layers.9.self_attn": {"smooth_q": False}}, policy="always")
     with pytest.raises(ValueError, match="unknown AttentionConfig option"):
-        qp.patch_model(model, "sage2-4b", overrides={"model.layers.0.self_attn": {"smoothing": False}})
+        qp.patch_model(model, "sage2-4b", overrides={"model.layers.0.self_attn": {"smoothing": False}}, policy="always")
     assert not hasattr(model, "_quantpatch_handle")
 
 
@@ -140,7 +141,7 @@ def _compiled_logits(model, ids):
 @needs_cuda
 def test_gpu_patched_llama_runs_under_torch_compile():
     model, ids = _tiny_cuda_llama()
-    with qp.patch_model(model, "sage2-8b") as handle:
+    with qp.patch_model(model, "sage2-8b", policy="always") as handle:
         with torch.no_grad():
             eager = model(ids).logits
         assert all(site.implementations == {"triton"} for site in handle.sites)
@@ -154,7 +155,7 @@ def test_patch_model_imports_the_gpu_kernels_before_any_traced_call(monkeypatch)
     loaded = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(dispatch, "load_kernels", loaded.append)
-    with qp.patch_model(tiny_model("llama"), "sage2-8b"):
+    with qp.patch_model(tiny_model("llama"), "sage2-8b", policy="always"):
         assert loaded == [dispatch.FAST_PATHS_MODULE, dispatch.W4A8_KERNELS_MODULE, *dispatch.TURBO_KERNELS_MODULES]
 
 
@@ -163,7 +164,7 @@ import torch, quantpatch as qp
 from torch._dynamo.utils import counters
 from tests.patches.test_transformers_patch import _tiny_cuda_llama
 model, ids = _tiny_cuda_llama()
-with qp.patch_model(model, "sage2-8b") as handle, torch.no_grad():
+with qp.patch_model(model, "sage2-8b", policy="always") as handle, torch.no_grad():
     torch.compile(model)(ids)
 assert all(site.implementations == {"triton"} for site in handle.sites), [s.implementations for s in handle.sites]
 assert not counters["graph_break"], dict(counters["graph_break"])
@@ -188,7 +189,7 @@ def test_gpu_compile_as_the_first_call_in_a_process_runs_the_kernels():
 def test_gpu_patched_llama_compiles_through_the_kernels_without_extra_graph_breaks():
     model, ids = _tiny_cuda_llama()
     _, base_breaks = _compiled_logits(model, ids)
-    with qp.patch_model(model, "sage2-8b") as handle:
+    with qp.patch_model(model, "sage2-8b", policy="always") as handle:
         _, breaks = _compiled_logits(model, ids)
     assert all(site.implementations == {"triton"} for site in handle.sites)
     assert breaks == base_breaks
@@ -202,7 +203,7 @@ def test_accelerate_offload_hooks_stay_intact(no_leaks):
     cpu_offload(model, execution_device=torch.device("cpu"))  # weights on meta, streamed by hooks
     hooks = {n: m._hf_hook for n, m in model.named_modules() if hasattr(m, "_hf_hook")}
     assert hooks and next(model.parameters()).device.type == "meta"
-    with qp.patch_model(model, "sage2-8b") as handle:
+    with qp.patch_model(model, "sage2-8b", policy="always") as handle:
         patched = _out(model, inputs)
         assert {n: m._hf_hook for n, m in model.named_modules() if hasattr(m, "_hf_hook")} == hooks
     assert not handle.fallbacks() and qp.cos_sim(patched, base) > LOGIT_COS_FLOOR["sage2-8b"]
@@ -216,9 +217,9 @@ def test_untested_family_is_patched_with_a_note_or_refused_under_strict(no_leaks
     model = T.OPTForCausalLM(T.OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                                          ffn_dim=128, word_embed_proj_dim=64)).eval()
     with pytest.raises(qp.UnsupportedError, match="model type 'opt' is not in quantpatch's tested families"):
-        qp.patch_model(model, "sage2-8b", strict=True)
+        qp.patch_model(model, "sage2-8b", strict=True, policy="always")
     assert not hasattr(model, "_quantpatch_handle")
-    with qp.patch_model(model, "sage2-8b") as handle:
+    with qp.patch_model(model, "sage2-8b", policy="always") as handle:
         assert any("'opt'" in note and "all the same" in note for note in handle.notes)
         assert len(handle.sites) == 2
 
@@ -244,7 +245,7 @@ def test_patched_attention_adds_no_graph_breaks_around_a_kernel_op(monkeypatch, 
     model, ids = tiny_model("llama"), torch.randint(3, 100, (2, 40))
     torch._dynamo.reset()
     alive = qp.TurboCache(model)  # a TurboCache elsewhere in the process must not put its lookup in the graph
-    with qp.patch_model(model, "sage2-8b") as handle, torch.no_grad():
+    with qp.patch_model(model, "sage2-8b", policy="always") as handle, torch.no_grad():
         explained = torch._dynamo.explain(model)(ids)
     del alive
     assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]

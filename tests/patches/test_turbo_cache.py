@@ -150,7 +150,7 @@ def test_layer_bytes_are_the_turbo_kv_bytes_formula():
 
 
 def test_memory_ratios_at_head_dim_128_meet_the_issue():
-    # The issue's (and the paper's) figures, for Llama-3-8B's D=128 and a 32k-token cache, FP16 block scales:
+    # The paper's figures, for Llama-3-8B's D=128 and a 32k-token cache, FP16 block scales:
     # 4-bit 16384 / (4096 + 256 + 2) = 3.76x; half the heads at 2 bits 16384 / ((4354 + 2306) / 2) = 4.92x.
     n, bf16 = 32768, 2 * 8 * 32768 * 128
     assert bf16 / turbo_kv_bytes(n, 128, 4, kv_heads=8) >= 3.5
@@ -266,10 +266,10 @@ def test_cache_refuses_another_model_and_wrong_head_counts():
 def test_same_shaped_model_is_refused_by_generate_and_by_the_attention(no_leaks):
     model, twin = _tiny_llama(), _tiny_llama()
     ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(0))
-    with qp.patch_model(twin, qp.get_mode("turbo", two_bit_heads=0)):
+    with qp.patch_model(twin, qp.get_mode("turbo", two_bit_heads=0), policy="always"):
         with pytest.raises(ValueError, match="built for .* not for"):
             twin.generate(ids, past_key_values=TurboCache(model), max_new_tokens=2, do_sample=False)
-        with qp.patch_model(model, qp.get_mode("turbo", two_bit_heads=0)):
+        with qp.patch_model(model, qp.get_mode("turbo", two_bit_heads=0), policy="always"):
             cache = TurboCache(model)
             model(ids, past_key_values=cache, use_cache=True)
             model(ids[:, :1], past_key_values=cache, use_cache=True)  # a direct read by its own model is fine
@@ -284,7 +284,7 @@ def test_patch_model_turbo_makes_generate_use_a_turbocache(no_leaks):
     model = _tiny_llama(num_key_value_heads=2)
     ids = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(0))
     kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
-    with qp.patch_model(model, "turbo") as handle:
+    with qp.patch_model(model, "turbo", policy="always") as handle:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
         cache = out.past_key_values
         assert isinstance(cache, TurboCache) and cache.get_seq_length() == 75
@@ -425,7 +425,7 @@ def test_pydoc_greedy_with_the_4bit_cache(pydoc, no_leaks):
     model, tok = pydoc
     base = [_greedy(model, tok, p) for p in PROMPTS]
     cached = [_greedy(model, tok, p, past_key_values=TurboCache(model)) for p in PROMPTS]
-    with qp.patch_model(model, "turbo"):
+    with qp.patch_model(model, "turbo", policy="always"):
         direct = [_greedy(model, tok, p) for p in PROMPTS]
     for outputs in (cached, direct):
         assert sum(a == b for a, b in zip(base, outputs)) >= 4
@@ -442,7 +442,7 @@ def test_pydoc_perplexity_through_the_4bit_cache(pydoc, val_ids, fp32_reference)
     # (SDPA over the dequantized 4-bit cache -0.53 %). On 16k tokens (eval/perplexity.py --kv-cache): +1.49 %
     # and +1.66 %.
     model = pydoc[0]
-    with qp.patch_model(model, "turbo"):
+    with qp.patch_model(model, "turbo", policy="always"):
         turbo = cached_nll(model, val_ids, lambda: TurboCache(model))
     assert math.exp(turbo - fp32_reference[0]) <= 1.03
 

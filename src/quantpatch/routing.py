@@ -1,0 +1,196 @@
+"""Where a quantized attention kernel beats SDPA: the crossover table behind ``policy="speed"``.
+
+A quantized call pays a quantization pass (linear in tokens) to save tensor-core time (quadratic in
+tokens), so it wins only from some sequence length on, which depends on the GPU, the kernel, the
+head dim and causality. The table maps ``(speed_key, head_dim, causal)`` to the smallest query and
+key length from which the mode's end-to-end time (quantization included) beat SDPA's default
+backend on every longer length measured; ``None`` where it never did. Shorter calls, and
+cross-attention over a few hundred text tokens, run SDPA.
+
+Tables ship per architecture (:data:`SHIPPED`, measured with :func:`tune` on an H100/H200);
+``quantpatch tune`` re-measures them on the user's GPU and writes :func:`user_table_path`, which
+then takes precedence.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantpatch.config import AttentionConfig
+
+logger = logging.getLogger("quantpatch")
+
+TABLE_VERSION = 1
+TUNE_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+TUNE_HEAD_DIMS = (64, 128)
+TUNE_MODES = ("sage2-8b", "sage2-4b", "int8-flash", "fireq", "turbo")
+
+
+def speed_key(cfg: AttentionConfig) -> str:
+    """The table key of ``cfg``: its numerics family, plus ``+smooth_q`` where that adds the ΔS pass."""
+    return f"{cfg.numerics}+smooth_q" if cfg.smooth_q else cfg.numerics
+
+
+def entry_key(key: str, head_dim: int, causal: bool) -> str:
+    return f"{key}/d{head_dim}/{'causal' if causal else 'full'}"
+
+
+# sm_90 (H100 / H200): `quantpatch tune` on an H200; see docs/performance.md. Values are the crossover
+# sequence length (queries and keys), None = SDPA was faster at every length measured (1k-32k).
+SHIPPED: dict[str, dict[str, int | None]] = {
+    "sm_90": {
+        entry_key("sage2", 128, False): 8192,
+        entry_key("sage2", 128, True): 16384,
+        entry_key("sage2+smooth_q", 128, False): 8192,
+        entry_key("sage2+smooth_q", 128, True): 16384,
+        entry_key("int8_flash", 128, False): 8192,
+        entry_key("int8_flash", 128, True): 16384,
+        entry_key("fireq", 128, False): 8192,
+        entry_key("fireq", 128, True): 16384,
+        entry_key("turbo", 128, False): None,
+        entry_key("turbo", 128, True): None,
+        **{entry_key(k, 64, c): None for k in ("sage2", "sage2+smooth_q", "int8_flash", "fireq", "turbo")
+           for c in (False, True)},
+    },
+}
+
+
+def arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def user_table_path(architecture: str) -> Path:
+    """``$XDG_CACHE_HOME/quantpatch/crossovers-<arch>.json`` (``~/.cache`` by default)."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "quantpatch" / f"crossovers-{architecture}.json"
+
+
+def read_table(path: Path) -> dict[str, int | None]:
+    """The ``crossovers`` of a table written by :func:`tune`; ``ValueError`` naming the file if malformed."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a quantpatch crossover table ({err})") from err
+    valid = isinstance(data, dict) and data.get("version") == TABLE_VERSION
+    if not (valid and isinstance(data.get("crossovers"), dict)):
+        raise ValueError(f"{path}: not a version-{TABLE_VERSION} quantpatch crossover table")
+    table = data["crossovers"]
+    for key, value in table.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{path}: crossover {key!r} = {value!r} is not a positive integer or null")
+    return table
+
+
+_TABLES: dict[str, tuple[dict[str, int | None], str]] = {}
+
+
+def table_for(architecture: str) -> tuple[dict[str, int | None] | None, str]:
+    """The crossover table of ``architecture`` and where it came from (the user's tuned file first)."""
+    if architecture not in _TABLES:
+        path = user_table_path(architecture)
+        table, source = SHIPPED.get(architecture), f"shipped {architecture} table"
+        if path.is_file():
+            try:
+                table, source = read_table(path), str(path)
+            except ValueError as err:
+                logger.warning("%s; using the %s", err, source)
+        _TABLES[architecture] = (table, source)
+    return _TABLES[architecture]
+
+
+def forget_tables() -> None:
+    """Drop the loaded tables (after :func:`tune` wrote a new one, and in tests)."""
+    _TABLES.clear()
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def _median_ms(fn, warmup: int, rep: int) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def crossover(lengths: Sequence[int], ratios: Sequence[float], margin: float = 1.02) -> int | None:
+    """The smallest length from which every ``ratio`` (SDPA time / quantized time) is at least ``margin``."""
+    best = None
+    for n, r in sorted(zip(lengths, ratios), reverse=True):
+        if r < margin:
+            break
+        best = n
+    return best
+
+
+def tune(
+    modes: Sequence[str] = TUNE_MODES,
+    head_dims: Sequence[int] = TUNE_HEAD_DIMS,
+    lengths: Sequence[int] = TUNE_LENGTHS,
+    *,
+    heads: int = 32,
+    device: str | torch.device = "cuda",
+    warmup: int = 25,
+    rep: int = 100,
+    out: Path | None = None,
+    timer=None,
+) -> dict[str, Any]:
+    """Measure each mode against SDPA on this GPU and write the crossover table.
+
+    Times ``quantpatch.attention(policy="always")`` end to end (bf16 inputs ``(1, heads, N, D)``,
+    quantization included) against ``F.scaled_dot_product_attention`` (its default backend) at each
+    length, causal and not, and keeps per entry the :func:`crossover` length. ``timer(fn) -> ms``
+    replaces the GPU timer (tests). Returns the table written to ``out`` (default
+    :func:`user_table_path`).
+    """
+    from tqdm import tqdm
+
+    from quantpatch.api import attention
+    from quantpatch.modes import get_mode
+
+    device = torch.device(device)
+    timer = timer or (lambda fn: _median_ms(fn, warmup, rep))
+    architecture = arch(device) if device.type == "cuda" else device.type
+    crossovers: dict[str, int | None] = {}
+    ratios: dict[str, dict[int, float]] = {}
+    grid = [(m, d, c) for m in modes for d in head_dims for c in (False, True)]
+    with tqdm(total=len(grid) * len(lengths), desc="quantpatch tune", unit="shape") as bar:
+        for mode, d, causal in grid:
+            cfg = get_mode(mode).attention
+            key = entry_key(speed_key(cfg), d, causal)
+            measured = ratios.setdefault(key, {})
+            for n in lengths:
+                gen = torch.Generator(device=device).manual_seed(n)
+                q, k, v = (torch.randn(1, heads, n, d, device=device, dtype=torch.bfloat16, generator=gen)
+                           for _ in range(3))
+                sdpa = timer(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                quant = timer(lambda: attention(q, k, v, mode=cfg, is_causal=causal, policy="always"))
+                measured[n] = sdpa / quant
+                bar.update()
+            crossovers[key] = crossover(list(measured), list(measured.values()))
+    table = {"version": TABLE_VERSION, "architecture": architecture, "heads": heads,
+             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+             "torch": torch.__version__, "crossovers": crossovers,
+             "ratios": {k: {str(n): round(r, 4) for n, r in v.items()} for k, v in ratios.items()}}
+    path = Path(out) if out is not None else user_table_path(architecture)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    forget_tables()
+    logger.info("quantpatch tune: wrote %s", path)
+    return table
+
+
+def min_length(table: dict[str, int | None] | None, cfg: AttentionConfig, head_dim: int, causal: bool) -> float:
+    """The crossover length of a call (``inf``: never, or not measured)."""
+    if table is None:
+        return math.inf
+    value = table.get(entry_key(speed_key(cfg), head_dim, causal))
+    return math.inf if value is None else value

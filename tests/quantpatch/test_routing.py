@@ -1,0 +1,153 @@
+"""policy="speed": route each call to the mode's kernel only where the crossover table says it beats SDPA."""
+
+import json
+
+import pytest
+import torch
+
+import quantpatch as qp
+from quantpatch import dispatch, routing
+from quantpatch.kernels.quant_attention_ref import quant_attention_ref
+from quantpatch.synthetic import attention_inputs
+from tests.patches.conftest import tiny_model
+
+CUDA = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
+SAGE = qp.get_mode("sage2-8b").attention
+
+
+@pytest.fixture(autouse=True)
+def fresh_tables(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(routing, "arch", lambda device: "sm_90")
+    dispatch.forget_crossovers()
+    yield
+    dispatch.forget_crossovers()
+
+
+def test_cpu_calls_run_sdpa_and_say_so():
+    assert "off the GPU" in dispatch.speed_reason(SAGE, torch.device("cpu"), 128, 32768, 32768, False)
+
+
+@pytest.mark.parametrize("d, causal, n, quantized", [
+    (128, False, 4096, False), (128, False, 8192, True), (128, False, 32768, True),
+    (128, True, 8192, False), (128, True, 16384, True), (64, False, 32768, False),
+])
+def test_shipped_sm90_table_decides_by_length(d, causal, n, quantized):
+    why = dispatch.speed_reason(SAGE, CUDA, d, n, n, causal)
+    assert (why is None) == quantized
+    if not quantized:
+        assert "sm_90" in why and f"D={d}" in why
+
+
+def test_cross_attention_over_few_keys_runs_sdpa():
+    assert "crossover of 8192" in dispatch.speed_reason(SAGE, CUDA, 128, 32760, 512, False)
+
+
+def test_turbo_never_wins_on_sm90():
+    turbo = qp.get_mode("turbo").attention
+    assert "every measured length" in dispatch.speed_reason(turbo, CUDA, 128, 32768, 32768, False)
+
+
+def test_an_unmeasured_architecture_runs_sdpa(monkeypatch):
+    monkeypatch.setattr(routing, "arch", lambda device: "sm_80")
+    assert "no measured crossover for sm_80" in dispatch.speed_reason(SAGE, CUDA, 128, 32768, 32768, False)
+
+
+def test_a_tuned_user_table_takes_precedence(tmp_path):
+    path = routing.user_table_path("sm_90")
+    assert str(path).startswith(str(tmp_path))
+    path.parent.mkdir(parents=True)
+    key = routing.entry_key("sage2", 128, False)
+    path.write_text(json.dumps({"version": routing.TABLE_VERSION, "crossovers": {key: 2048}}))
+    assert dispatch.speed_reason(SAGE, CUDA, 128, 2048, 2048, False) is None
+    assert str(path) in dispatch.speed_reason(SAGE, CUDA, 128, 1024, 1024, False)
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 99, "crossovers": {}}),
+                                     json.dumps({"version": 1, "crossovers": {"sage2/d128/full": -4}})])
+def test_a_malformed_user_table_warns_and_the_shipped_one_serves(content, caplog):
+    path = routing.user_table_path("sm_90")
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    with caplog.at_level("WARNING", logger="quantpatch"):
+        why = dispatch.speed_reason(SAGE, CUDA, 128, 4096, 4096, False)
+    assert "shipped sm_90 table" in why and str(path) in caplog.text
+
+
+@pytest.mark.parametrize("lengths, ratios, expected", [
+    ([1024, 2048, 4096, 8192], [0.5, 0.9, 1.1, 1.3], 4096),
+    ([1024, 2048, 4096, 8192], [0.5, 1.1, 0.9, 1.3], 8192),  # must win at every longer length
+    ([1024, 2048], [0.5, 0.9], None),
+    ([1024, 2048], [1.2, 1.3], 1024),
+])
+def test_crossover_is_the_first_length_that_wins_from_there_on(lengths, ratios, expected):
+    assert routing.crossover(lengths, ratios) == expected
+
+
+def test_tune_writes_a_table_from_measured_times(tmp_path):
+    # scripted timings (sdpa, quantized) per length: the quantized call wins from 32 tokens on
+    script = iter([1.0, 2.0, 1.0, 0.5, 1.0, 0.5] * 2)
+    calls = []
+
+    def timer(fn):
+        calls.append(fn())  # the timed calls really run (CPU, tiny shapes)
+        return next(script)
+
+    out = tmp_path / "table.json"
+    table = routing.tune(modes=["sage2-8b"], head_dims=[32], lengths=[16, 32, 64], heads=2, device="cpu",
+                         timer=timer, out=out)
+    assert len(calls) == 12
+    assert table["crossovers"] == {"sage2/d32/full": 32, "sage2/d32/causal": 32}
+    assert routing.read_table(out) == table["crossovers"]
+
+
+def test_invalid_policy_is_refused():
+    q, k, v = attention_inputs("randn", heads=2, seq_q=8, head_dim=32)
+    with pytest.raises(ValueError, match="policy='fast'"):
+        qp.attention(q, k, v, mode="sage2-8b", policy="fast")
+    with pytest.raises(ValueError, match="policy="):
+        qp.patch_model(tiny_model("llama"), "sage2-8b", policy="fast")
+
+
+def test_functional_speed_policy_on_cpu_is_sdpa_and_always_is_the_reference():
+    q, k, v = attention_inputs("randn", heads=2, seq_q=40, head_dim=64)
+    fast = qp.attention(q, k, v, mode="sage2-8b", is_causal=True, policy="speed")
+    exact = qp.attention(q, k, v, mode="off", is_causal=True)
+    assert torch.equal(fast, exact)
+    always = qp.attention(q, k, v, mode="sage2-8b", is_causal=True, policy="always")
+    torch.testing.assert_close(always, quant_attention_ref(q, k, v, SAGE, is_causal=True).to(always.dtype))
+
+
+@pytest.mark.parametrize("mode", ["sage2-8b", "int8-flash", "turbo", "fireq"])
+def test_patched_model_on_cpu_is_bitwise_unpatched_and_reports_its_routes(mode):
+    model = tiny_model("llama")
+    ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+        with qp.patch_model(model, mode) as handle:
+            out = model(ids).logits
+            model(ids[:, :10])
+    assert torch.equal(out, ref)
+    for site in handle.sites:
+        assert site.routes == {"sdpa: SDPA is faster than the PyTorch reference off the GPU": 2}
+    assert "2 calls: sdpa: SDPA is faster" in handle.report() and "policy 'speed'" in handle.report()
+
+
+def test_speed_policy_takes_the_kernel_where_the_table_says_it_wins(monkeypatch):
+    """With a crossover of 16 tokens (mocked) the patched sites run the mode's implementation from 16 tokens on."""
+    monkeypatch.setattr(dispatch, "speed_reason",
+                        lambda cfg, device, d, nq, nk, causal: None if min(nq, nk) >= 16 else "short")
+    import quantpatch.patches.transformers.attention as attention_patch
+
+    monkeypatch.setattr(attention_patch, "speed_reason", dispatch.speed_reason)
+    import quantpatch.api as api
+
+    monkeypatch.setattr(api, "speed_reason", dispatch.speed_reason)
+    model = tiny_model("llama")
+    with torch.no_grad(), qp.patch_model(model, "sage2-8b") as handle:
+        model(torch.randint(3, 100, (1, 20)))
+        model(torch.randint(3, 100, (1, 8)))
+    # on the CPU only the reference takes the long call: the speed policy still prefers SDPA, saying why
+    routes = handle.sites[0].routes
+    assert routes["sdpa: short"] == 1
+    assert [r for r in routes if r.startswith("sdpa: only the PyTorch reference")]
