@@ -14,7 +14,12 @@ from typing import Any
 
 from quantpatch.config import ModeConfig
 from quantpatch.patches import note_untested, selected
-from quantpatch.patches.transformers.attention import SITE_ATTR, AttentionSite, make_attention_function
+from quantpatch.patches.transformers.attention import (
+    SITE_ATTR,
+    AttentionSite,
+    make_attention_function,
+    original_attention,
+)
 from quantpatch.patches.transformers.families import FAMILIES
 from quantpatch.patches.transformers.masks import shape_skipping_mask
 from quantpatch.patches.transformers.turbo_cache import install_generate_hook
@@ -74,7 +79,7 @@ def patch_transformers_model(
         runs = f"quantpatch {mode.name} attention" if is_selected else f"original {original_impl} attention (excluded)"
         record = handle.add_site(name, "attention", runs)
         config = handle.attention_config(name) if is_selected else None
-        site = AttentionSite(config, record, strict, original_impl, softcap, handle.policy)
+        site = AttentionSite(config, record, strict, original_attention(module, original_impl), softcap, handle.policy)
         handle.setattr(module, SITE_ATTR, site)
 
     key = f"quantpatch_{next(_keys)}"

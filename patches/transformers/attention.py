@@ -36,7 +36,7 @@ class AttentionSite:
     config: AttentionConfig | None
     record: SiteRecord
     strict: bool
-    original_impl: str
+    original: Callable  # the model's own attention function (original_attention), resolved at patch time
     softcap: float | None
     policy: str = "speed"
 
@@ -118,7 +118,7 @@ def make_attention_function() -> Callable:
                     fall_back(f"{site.record.name}", reason, strict=site.strict)
             if turbo_layer is not None:
                 key, value = turbo_layer.dequantized(query.dtype)
-            impl = original_attention(module, site.original_impl if site else "sdpa")
+            impl = site.original if site else original_attention(module, "sdpa")
             return impl(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                         softcap=softcap, is_causal=is_causal, **kwargs)
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
@@ -127,7 +127,7 @@ def make_attention_function() -> Callable:
             why = speed_reason(site.config, query.device, query.shape[-1], query.shape[2], key.shape[2], causal)
             if why is not None:  # the model's own attention: exactly its unpatched result and speed
                 note_sdpa_route(site.record, why)
-                return original_attention(module, site.original_impl)(
+                return site.original(
                     module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap,
                     is_causal=is_causal, **kwargs)
         if causal and turbo_layer is None and query.shape[2] != key.shape[2]:

@@ -116,7 +116,7 @@ def select(call: AttentionCall) -> tuple[Implementation | None, list[str]]:
 
 POLICIES = ("speed", "always")
 REFERENCE = "reference"
-_CROSSOVERS: dict[tuple, tuple[float, str]] = {}
+_CROSSOVERS: dict[tuple, tuple[float, str, AttentionConfig]] = {}
 
 
 def check_policy(policy: str) -> str:
@@ -135,9 +135,9 @@ def speed_reason(cfg: AttentionConfig, device: torch.device, head_dim: int, nq: 
     """
     if device.type != "cuda":
         return "SDPA is faster than the PyTorch reference off the GPU"
-    key = (device, cfg, head_dim, is_causal)
+    key = (device.index, id(cfg), head_dim, is_causal)  # id: hashing a 20-field config costs microseconds
     entry = _CROSSOVERS.get(key)
-    if entry is None:
+    if entry is None or entry[2] is not cfg:
         from quantpatch import routing
 
         architecture = routing.arch(device)
@@ -150,8 +150,8 @@ def speed_reason(cfg: AttentionConfig, device: torch.device, head_dim: int, nq: 
             why = f"SDPA was faster at every measured length on {architecture} (D={head_dim}, {kind}; {source})"
         else:
             why = f"shorter than the {architecture} crossover of {length} tokens (D={head_dim}, {kind}; {source})"
-        entry = _CROSSOVERS[key] = (length, why)
-    length, why = entry
+        entry = _CROSSOVERS[key] = (length, why, cfg)
+    length, why, _ = entry
     return why if nq < length or nk < length else None
 
 

@@ -1,0 +1,123 @@
+"""Host time of one patched call against the call it replaces (launch-bound shapes, so host work is what is timed).
+
+Rows (µs per call, median of repeats of ``--calls`` back-to-back calls, then one synchronize):
+
+* ``sdpa``: Transformers' own ``sdpa_attention_forward`` on a Llama attention module (the unpatched call);
+* ``patched-speed``: the same call through quantpatch's registered attention under ``policy="speed"``
+  (a short call: routed to the model's own attention);
+* ``patched-always``: the mode's quantized path (quantization launches and the kernel), ``policy="always"``;
+* ``linear`` / ``w4a8``: ``F.linear`` on bf16 weights against ``W4A8Linear`` (GPU only), M = 1.
+
+``overhead_us`` is each row's time less its baseline's. Writes ``host_overhead.csv``, ``bench.json`` and
+``summary.md`` under ``--out``.
+
+    python eval/bench_host_overhead.py --out eval/results/bench_host_overhead        # GPU
+    python eval/bench_host_overhead.py --device cpu --calls 50 --out /tmp/host        # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import machine_record, markdown_table, write_csv, write_json  # noqa: E402
+
+import quantpatch  # noqa: E402
+
+
+def host_us(fn: Callable[[], object], device: torch.device, calls: int, repeats: int) -> float:
+    """Median over ``repeats`` of the wall time of ``calls`` back-to-back calls, per call, in µs."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def attention_rows(args, device: torch.device) -> list[dict]:
+    import transformers as T
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    config = T.LlamaConfig(vocab_size=128, hidden_size=args.heads * 64, num_hidden_layers=1,
+                           num_attention_heads=args.heads, num_key_value_heads=args.heads // 4, intermediate_size=128)
+    model = T.LlamaForCausalLM(config).to(device, torch.bfloat16).eval()
+    module = model.model.layers[0].self_attn
+    q = torch.randn(1, args.heads, args.seq, 64, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, args.heads // 4, args.seq, 64, device=device, dtype=torch.bfloat16) for _ in range(2))
+    kw = dict(dropout=0.0, scaling=64 ** -0.5)
+    rows = [dict(row="sdpa", us=host_us(lambda: sdpa_attention_forward(module, q, k, v, None, **kw), device,
+                                        args.calls, args.repeats), baseline="sdpa")]
+    for policy in ("speed", "always"):
+        with quantpatch.patch_model(model, args.mode, policy=policy):
+            fn = AttentionInterface._global_mapping[model.config._attn_implementation]
+            us = host_us(lambda: fn(module, q, k, v, None, **kw), device, args.calls, args.repeats)
+        rows.append(dict(row=f"patched-{policy}", us=us, baseline="sdpa"))
+    return rows
+
+
+def linear_rows(args, device: torch.device) -> list[dict]:
+    from quantpatch.w4a8_linear import W4A8Linear
+
+    linear = torch.nn.Linear(4096, 4096, bias=False, device=device, dtype=torch.bfloat16)
+    w4a8 = W4A8Linear.from_linear(linear).to(device)
+    x = torch.randn(1, 4096, device=device, dtype=torch.bfloat16)
+    rows = [dict(row="linear", us=host_us(lambda: torch.nn.functional.linear(x, linear.weight), device, args.calls,
+                                          args.repeats), baseline="linear")]
+    rows.append(dict(row="w4a8", us=host_us(lambda: w4a8(x), device, args.calls, args.repeats), baseline="linear"))
+    return rows
+
+
+def with_overheads(rows: list[dict]) -> list[dict]:
+    base = {r["row"]: r["us"] for r in rows}
+    return [dict(r, us=round(r["us"], 2), overhead_us=round(r["us"] - base[r["baseline"]], 2)) for r in rows]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--mode", default="sage2-8b")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--seq", type=int, default=16, help="tokens per call (short: launch-bound)")
+    p.add_argument("--calls", type=int, default=500)
+    p.add_argument("--repeats", type=int, default=7)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    rows = attention_rows(args, device)
+    if device.type == "cuda":
+        rows += linear_rows(args, device)
+    rows = with_overheads(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out / "host_overhead.csv", rows)
+    write_json(args.out / "bench.json", {"machine": machine_record(device, Path(__file__).resolve().parents[1]),
+                                         "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
+    table = markdown_table(rows, [("row", "call", ""), ("us", "µs / call", ".2f"),
+                                  ("overhead_us", "µs over baseline", "+.2f"), ("baseline", "baseline", "")])
+    command = "python eval/bench_host_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    (args.out / "summary.md").write_text(f"# Host time per call\n\n`{command}`\n\n{table}\n")
+    print(table)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
