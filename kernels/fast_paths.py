@@ -301,9 +301,45 @@ def quantized_attention(
     return o, lse
 
 
+DELTA_S_LIMIT = 2**31  # smooth Q's ΔS (B, H, ⌈Nq / block_q⌉, Nk_pad) is read through 32-bit TMA coordinates
+
+
+def head_chunks(cfg: AttentionConfig, b: int, h: int, hkv: int, nq: int, nk: int) -> list[tuple[int, int, int, int]]:
+    """``(b0, b1, h0, h1)`` slices of batch and query heads that each keep ΔS under :data:`DELTA_S_LIMIT` (one slice
+    for calls without smooth Q). Attention is independent per batch entry and per query head; a slice spans whole
+    GQA groups, or part of one group."""
+    per_head = math.ceil(nq / cfg.block_q) * math.ceil(nk / KEY_BLOCK) * KEY_BLOCK
+    if not cfg.smooth_q or b * h * per_head < DELTA_S_LIMIT:
+        return [(0, b, 0, h)]
+    heads = (DELTA_S_LIMIT - 1) // per_head
+    if heads < 1:
+        raise ValueError(f"smooth Q's ΔS of one head ({per_head} entries for Nq={nq}, Nk={nk}) exceeds 32-bit TMA "
+                         "coordinates; use a mode without smooth Q (sage2-8b)")
+    if h <= heads:
+        step = heads // h
+        return [(i, min(i + step, b), 0, h) for i in range(0, b, step)]
+    rep = h // hkv
+    step = heads // rep * rep if heads >= rep else max(d for d in range(1, rep + 1) if rep % d == 0 and d <= heads)
+    return [(i, i + 1, j, min(j + step, h)) for i in range(b) for j in range(0, h, step)]
+
+
 def _run(call: AttentionCall):
-    o, lse = quantized_attention(call.q, call.k, call.v, call.config, is_causal=call.is_causal, scale=call.scale,
-                                 return_lse=call.return_lse)
+    q, k, v = call.q, call.k, call.v
+    rep = q.shape[1] // k.shape[1]
+    chunks = head_chunks(call.config, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
+    if len(chunks) == 1:
+        o, lse = quantized_attention(q, k, v, call.config, is_causal=call.is_causal, scale=call.scale,
+                                     return_lse=call.return_lse)
+        return (o, lse) if call.return_lse else o
+    o = q.new_empty(q.shape)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32) if call.return_lse else None
+    for b0, b1, h0, h1 in chunks:
+        hq, hkv = slice(h0, h1), slice(h0 // rep, (h1 - 1) // rep + 1)
+        part, part_lse = quantized_attention(q[b0:b1, hq], k[b0:b1, hkv], v[b0:b1, hkv], call.config,
+                                             is_causal=call.is_causal, scale=call.scale, return_lse=call.return_lse)
+        o[b0:b1, hq] = part
+        if lse is not None:
+            lse[b0:b1, hq] = part_lse
     return (o, lse) if call.return_lse else o
 
 
