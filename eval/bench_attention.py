@@ -32,17 +32,20 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import json
 import logging
 import math
+import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
-from quantpatch.environment import environment_info
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import bench, graph_replays, write_csv  # noqa: E402  (the shared benchmark harness, beside this script)
+
+from quantpatch.environment import environment_info  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "eval" / "results" / "bench_attention"
@@ -87,14 +90,6 @@ def flops(b: int, h: int, n: int, d: int, causal: bool) -> float:
     return 4.0 * b * h * n * n * d / (2.0 if causal else 1.0)
 
 
-def bench(fn: Callable[[int], object], n_sets: int, warmup: int, rep: int) -> float:
-    """Median milliseconds of ``fn(i)`` with ``i`` cycling over ``n_sets`` input sets."""
-    import triton.testing
-
-    counter = itertools.count()
-    return float(triton.testing.do_bench(lambda: fn(next(counter) % n_sets), warmup=warmup, rep=rep,
-                                         return_mode="median"))
-
 
 def graph_times(impls: dict[str, Callable[[], object]], label: str, rep: int) -> dict[str, float]:
     """Median milliseconds of each ``impls`` entry as CUDA-graph replays (:func:`graph_replays`); an entry that
@@ -106,31 +101,6 @@ def graph_times(impls: dict[str, Callable[[], object]], label: str, rep: int) ->
         except Exception as err:  # noqa: BLE001 (say so, go on)
             print(f"{label} {name}: {type(err).__name__}: {str(err)[:200]}", flush=True)
     return times
-
-
-def warm_up_on_side_stream(fn: Callable[[int], object], n_sets: int) -> torch.cuda.Stream:
-    """``fn(i)`` for every input set on a side stream (compilation and cached workspaces before a CUDA-graph
-    capture, which needs them made outside it); the current stream waits for it. Returns the side stream."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(n_sets):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    return side
-
-
-def graph_replays(fn: Callable[[int], object], n_sets: int) -> Callable[[int], object]:
-    """``fn(i)`` captured once per input set in a CUDA graph (warmed up on a side stream first: compilation
-    and cached workspaces stay outside the capture); returns ``i ↦ replay``."""
-    warm_up_on_side_stream(fn, n_sets)
-    graphs = []
-    for i in range(n_sets):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn(i)
-        graphs.append(graph)
-    return lambda i: graphs[i].replay()
 
 
 def machine_info() -> dict:
@@ -300,15 +270,6 @@ def profile_quant(args) -> None:
             torch.cuda.synchronize()
         print(f"profile {mode} D={d} N={n} delta_s launch {ds}")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=40))
-
-
-def write_csv(path: Path, rows: list[dict]) -> None:
-    if not rows:
-        return
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
 
 
 def plot(rows: list[dict], path: Path) -> None:

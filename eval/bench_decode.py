@@ -44,7 +44,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
 import math
@@ -58,7 +57,7 @@ from typing import Callable, Sequence
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import warm_up_on_side_stream  # noqa: E402  (the shared harness, beside this script)
+from harness import warm_up_on_side_stream, write_csv  # noqa: E402  (the shared benchmark harness, beside this script)
 
 from quantpatch.environment import environment_info  # noqa: E402
 
@@ -337,16 +336,6 @@ def sweep_rows(args: argparse.Namespace) -> list[dict]:
 
 def machine_info(device: str) -> dict:
     return environment_info(device, REPO_ROOT)
-
-
-def write_csv(path: Path, rows: list[dict]) -> None:
-    if not rows:
-        return
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
 
 
 def plot(speed: list[dict], memory: list[dict], path: Path) -> None:

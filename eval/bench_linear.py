@@ -18,7 +18,7 @@ Llama-3-8B projection shapes (K → N: 4096 → 4096, 4096 → 14336, 14336 → 
   per-tensor scales / per-token × per-channel fp32 scales (GEMM only: the quantization of x is
   not counted, which favours them against ``w4a8 e2e``).
 
-Times are medians of ``triton.testing.do_bench`` (the shared harness of ``bench_attention``,
+Times are medians of ``triton.testing.do_bench`` (the shared harness ``eval/harness.py``,
 which flushes L2 between calls, so weights come from HBM as in a model's forward pass), cycling
 over several input sets; TFLOPS = 2·M·N·K / t. Each implementation is timed twice (``mode``):
 ``eager``, the Python call as is (host overhead included where the GPU waits for it), and
@@ -62,7 +62,7 @@ from typing import Callable, Sequence
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import bench, graph_replays, write_csv  # noqa: E402  (the shared harness, beside this script)
+from harness import bench, graph_replays, write_csv  # noqa: E402  (the shared benchmark harness, beside this script)
 
 from quantpatch.environment import environment_info  # noqa: E402
 from quantpatch.metrics import rel_l1  # noqa: E402

@@ -14,6 +14,7 @@ from quantpatch.fallback import QuantpatchFallbackWarning, UnsupportedError
 from quantpatch.metrics import all_metrics, cos_sim, mre, rel_l1, rmse
 from quantpatch.modes import MODES, available_modes, get_mode
 from quantpatch.patching import PatchHandle, patch_model
+from quantpatch.range_check import QuantpatchAccuracyWarning
 from quantpatch.w4a8_linear import W4A8Linear
 
 __version__ = "0.1.0"
@@ -47,6 +48,7 @@ __all__ = [
     "MODES",
     "ModeConfig",
     "PatchHandle",
+    "QuantpatchAccuracyWarning",
     "QuantpatchFallbackWarning",
     "TurboCache",
     "UnsupportedError",

@@ -6,8 +6,9 @@ import torch
 
 from quantpatch.config import AttentionConfig, ModeConfig
 from quantpatch.dispatch import REFERENCE, AttentionCall, check_policy, select, speed_reason
-from quantpatch.fallback import fall_back, note_implementation, note_sdpa_route
+from quantpatch.fallback import current_site, fall_back, note_implementation, note_sdpa_route
 from quantpatch.modes import get_mode
+from quantpatch.range_check import check_once
 
 LAYOUTS = ("BHSD", "BSHD")
 # Bound at import: the Diffusers patcher swaps torch.nn.functional.scaled_dot_product_attention
@@ -155,6 +156,7 @@ def attention(
             result = sdpa_attention(call)
         else:
             note_implementation(impl.name)
+            check_once(current_site(), q, k, v, cfg, is_causal=is_causal, scale=scale)
             result = impl.run(call)
     o, lse = result if isinstance(result, tuple) else (result, None)
     o = o.to(q.dtype)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -145,33 +146,55 @@ def _version() -> str:
 # --------------------------------------------------------------------------- load
 
 
+# Top-level keys every checkpoint config has (``save`` writes them all) and the JSON type of each.
+REQUIRED_KEYS = {"mode": dict, "options": dict, "quantized": bool, "base_model": dict, "linears": dict,
+                 "attention": dict, "files": dict}
+
+
+def _check_version(version: Any, what: str, current: int) -> None:
+    """Raise :class:`CheckpointError` unless ``version`` is an int (not a bool) in ``[1, current]``."""
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise CheckpointError(f"{what} version must be an integer, got {version!r} ({type(version).__name__})")
+    if version < 1:
+        raise CheckpointError(f"{what} version {version} is not valid (versions start at 1)")
+    if version > current:
+        raise CheckpointError(f"{what} version {version} is newer than this quantpatch reads ({current}); "
+                              "upgrade quantpatch")
+
+
 def read_config(directory: str | Path) -> dict[str, Any]:
-    """Parse and validate ``quantpatch_config.json`` (format, version, mode); raises :class:`CheckpointError`."""
+    """Parse and validate ``quantpatch_config.json`` (format, version, keys, mode); raises :class:`CheckpointError`."""
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: {directory} is not a quantpatch checkpoint")
     try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{path} is not valid JSON (corrupted?): {err}") from err
     if not isinstance(config, dict) or config.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a quantpatch checkpoint config (format {config.get('format')!r})")
-    version = config.get("version")
-    if not isinstance(version, int) or version > CHECKPOINT_VERSION:
-        raise CheckpointError(
-            f"{path} has checkpoint version {version!r}, newer than this quantpatch reads ({CHECKPOINT_VERSION}); "
-            "upgrade quantpatch"
-        )
+        found = config.get("format") if isinstance(config, dict) else type(config).__name__
+        raise CheckpointError(f"{path} is not a quantpatch checkpoint config (format {found!r})")
+    _check_version(config.get("version"), f"{path}: checkpoint", CHECKPOINT_VERSION)
+    for key, kind in REQUIRED_KEYS.items():
+        if not isinstance(config.get(key), kind):
+            raise CheckpointError(f"{path}: {key!r} must be a JSON {'object' if kind is dict else 'boolean'}, "
+                                  f"got {config.get(key)!r:.80}")
+    base = config["base_model"]
+    if not isinstance(base.get("config"), dict) or not isinstance(base.get("arch_hash"), str):
+        raise CheckpointError(f"{path}: 'base_model' lacks its 'config' (object) or 'arch_hash' (string)")
     try:
         ModeConfig.from_dict(config["mode"])
-        FireQOptions.from_dict(config.get("options", {}))
-    except (KeyError, ValueError, TypeError) as err:
+        FireQOptions.from_dict(config["options"])
+    except (ValueError, TypeError) as err:
         raise CheckpointError(f"{path}: invalid mode or options: {err}") from err
     return config
 
 
 def _check_files(directory: Path, config: dict[str, Any], verify: bool) -> None:
-    for name, info in config.get("files", {}).items():
+    for name, info in config["files"].items():
+        if not (isinstance(info, dict) and isinstance(info.get("bytes"), int) and isinstance(info.get("sha256"), str)):
+            raise CheckpointError(f"{directory / CONFIG_FILE}: files entry {name!r} needs 'bytes' (int) and 'sha256' "
+                                  f"(string), got {info!r:.80}")
         path = directory / name
         if not path.is_file():
             raise CheckpointError(f"checkpoint file {path} is missing")
@@ -180,8 +203,20 @@ def _check_files(directory: Path, config: dict[str, Any], verify: bool) -> None:
                                   f"{info['bytes']} (truncated or corrupted)")
         if verify and _sha256(path) != info["sha256"]:
             raise CheckpointError(f"checkpoint file {path} fails its sha256 check (corrupted or modified)")
-    if MODEL_FILE not in config.get("files", {}):
+    if MODEL_FILE not in config["files"]:
         raise CheckpointError(f"{directory / CONFIG_FILE} lists no {MODEL_FILE}")
+
+
+def _short(value: Any, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _describe(base_model: Any, base_cfg: Any) -> str:
+    """``LlamaForCausalLM (model_type 'llama', from 'org/name')``: a base model in a few words, never its printout."""
+    name = getattr(base_cfg, "_name_or_path", "") or (base_model if isinstance(base_model, (str, Path)) else "")
+    kind = type(base_model).__name__ if isinstance(base_model, nn.Module) else type(base_cfg).__name__
+    return f"{kind} (model_type {getattr(base_cfg, 'model_type', None)!r}" + (f", from {str(name)!r})" if name else ")")
 
 
 def _base_config(config: dict[str, Any], base_model: Any):
@@ -195,20 +230,29 @@ def _base_config(config: dict[str, Any], base_model: Any):
         return AutoConfig.for_model(model_type, **data)
     if isinstance(base_model, PretrainedConfig):
         base_cfg = base_model
-    elif isinstance(base_model, nn.Module) and hasattr(base_model, "config"):
+    elif isinstance(base_model, nn.Module):
+        if not isinstance(getattr(base_model, "config", None), PretrainedConfig):
+            raise CheckpointError(f"base_model is a {type(base_model).__name__} without a Transformers config; pass "
+                                  "the model it was converted from, its PretrainedConfig, or its path / hub id")
         base_cfg = base_model.config
-    else:
+    elif isinstance(base_model, (str, Path)):
         try:
             base_cfg = AutoConfig.from_pretrained(str(base_model))
         except (OSError, ValueError) as err:
-            raise CheckpointError(f"cannot read the base model config from {base_model!r}: {err}") from err
+            raise CheckpointError(f"cannot read the base model config from {str(base_model)!r}: {err}") from err
+    else:
+        raise CheckpointError(f"base_model must be a path or hub id, a PretrainedConfig or a Transformers model; got "
+                              f"a {type(base_model).__name__}")
     if architecture_hash(base_cfg) != stored["arch_hash"]:
         mine, theirs = base_cfg.to_dict(), stored["config"]
-        diff = [f"{k}: checkpoint {theirs.get(k)!r}, base {mine.get(k)!r}"
-                for k in ARCH_KEYS if theirs.get(k) != mine.get(k)]
+        keys = ["model_type"] if theirs.get("model_type") != mine.get("model_type") else ARCH_KEYS
+        diff = [f"{k}: checkpoint {_short(theirs.get(k))}, base {_short(mine.get(k))}"
+                for k in keys if theirs.get(k) != mine.get(k)]
+        made_from = f"{stored.get('architecture')} (model_type {stored.get('model_type')!r}" + (
+            f", from {stored['name_or_path']!r})" if stored.get("name_or_path") else ")")
         raise CheckpointError(
-            f"base model {getattr(base_cfg, '_name_or_path', '') or base_model!r} does not match the checkpoint "
-            f"(made from {stored.get('name_or_path')!r}): " + ("; ".join(diff) or "architecture hash differs")
+            f"base model {_describe(base_model, base_cfg)} does not match the checkpoint, made from {made_from}: "
+            + ("; ".join(diff) or "architecture hash differs")
         )
     return base_cfg
 
@@ -234,9 +278,16 @@ def _skeleton(config: dict[str, Any], base_cfg) -> nn.Module:
     for fqn, info in config["attention"].items():
         if info.get("kv") == "turbo":  # TurboAttention sites carry per-head widths only, no buffers
             continue
-        pairs = len(info["crs_pairs"][0]) if info["crs_pairs"] else 0
-        add_crs_buffers(model.get_submodule(fqn), info["num_kv_heads"], info["head_dim"], pairs, device="meta")
+        add_crs_buffers(model.get_submodule(fqn), info["num_kv_heads"], info["head_dim"], _crs_pairs_per_head(info),
+                        device="meta")
     return model
+
+
+def _crs_pairs_per_head(site: dict[str, Any]) -> int:
+    """CRS pairs per KV head of one ``config["attention"]`` entry: FireQ sites list one row of pairs per KV head
+    (rows of length 0 with CRS off); TurboAttention sites list none."""
+    pairs = site.get("crs_pairs") or []
+    return len(pairs[0]) if pairs else 0
 
 
 def _tie(model: nn.Module, alias: str, source: str) -> None:
@@ -252,6 +303,7 @@ def load(
     *,
     device: str | torch.device = "cpu",
     patch_attention: bool = False,
+    policy: str = "speed",
     verify: bool = True,
 ) -> nn.Module:
     """Rebuild a converted model from a checkpoint written by :func:`save`.
@@ -264,14 +316,16 @@ def load(
         device: where the tensors are loaded.
         patch_attention: also run :func:`quantpatch.patch_model` with the checkpoint's mode
             (the handle is ``model._quantpatch_handle``).
+        policy: that patch's routing policy (``"speed"`` or ``"always"``, as in ``patch_model``).
         verify: check each file's sha256 (size is always checked).
 
     Returns:
         The model in eval mode, ``model._quantpatch_state`` restored.
 
     Raises:
-        CheckpointError: a missing/corrupted file, a newer checkpoint version, or a base model
-            whose architecture differs (the message names the differing config keys).
+        CheckpointError: a missing/corrupted file, a malformed config (its message names the key),
+            a checkpoint version that is not an int in ``[1, CHECKPOINT_VERSION]``, or a base model
+            whose architecture differs (the message names both models and the differing config keys).
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -321,7 +375,7 @@ def load(
     if patch_attention:
         from quantpatch.patching import patch_model
 
-        patch_model(model, mode)
+        patch_model(model, mode, policy=policy)
     return model
 
 
@@ -334,6 +388,7 @@ def info(directory: str | Path, *, verify: bool = False) -> dict[str, Any]:
     config = read_config(directory)
     _check_files(directory, config, verify)
     mem = config.get("memory", {})
+    sites = list(config["attention"].values())
     pts = sorted({v["pts_exp"] for v in config["linears"].values()})
     return {
         "directory": str(directory),
@@ -346,8 +401,9 @@ def info(directory: str | Path, *, verify: bool = False) -> dict[str, Any]:
         "pts_exponents": pts,
         "zero_scale_groups": sum(v["zero_scale_groups"] for v in config["linears"].values()),
         "attention_sites": len(config["attention"]),
-        "crs_pairs_per_head": (len(next(iter(config["attention"].values()))["crs_pairs"][0])
-                               if config["attention"] else 0),
+        "kv_cache": ModeConfig.from_dict(config["mode"]).kv_cache.kind,
+        "crs_pairs_per_head": max((_crs_pairs_per_head(site) for site in sites), default=0),
+        "kv_head_bits": _head_bits(sites),
         "weight_bytes": mem.get("w4a8_weight_bytes"),
         "bf16_weight_bytes": mem.get("bf16_weight_bytes"),
         "compression_vs_bf16": (mem["bf16_weight_bytes"] / mem["w4a8_weight_bytes"]
@@ -355,3 +411,13 @@ def info(directory: str | Path, *, verify: bool = False) -> dict[str, Any]:
         "calibration": config.get("calibration"),
         "files": config.get("files"),
     }
+
+
+def _head_bits(sites: list[dict[str, Any]]) -> dict[str, dict[int, int]] | None:
+    """TurboAttention sites: how many KV heads store K (and V) at each bit width, ``{"k": {4: 6, 2: 2}, "v": ...}``;
+    None without such sites."""
+    turbo = [site for site in sites if site.get("kv") == "turbo"]
+    if not turbo:
+        return None
+    return {part: dict(sorted(Counter(b for site in turbo for b in site[f"{part}_bits"]).items(), reverse=True))
+            for part in ("k", "v")}

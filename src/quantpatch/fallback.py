@@ -26,6 +26,7 @@ class SiteRecord:
     fallbacks: set[str] = field(default_factory=set)
     implementations: set[str] = field(default_factory=set)
     routes: dict[str, int] = field(default_factory=dict)  # calls per route ("triton", "sdpa: <why>", ...)
+    range_checked: bool = False  # quantpatch.range_check sampled this site's inputs
 
 
 # The patched site currently running, so that a fallback deep inside quantpatch.attention is
@@ -52,7 +53,8 @@ def running_site(record: SiteRecord | None) -> Iterator[None]:
         _current_site.reset(token)
 
 
-def _running_site() -> SiteRecord | None:
+def current_site() -> SiteRecord | None:
+    """The patched site whose call is running (None outside a patched model)."""
     if torch.compiler.is_compiling():
         return _traced_sites[-1] if _traced_sites else None
     return _current_site.get()
@@ -71,7 +73,7 @@ def fall_back(what: str, reason: str, *, strict: bool, to: str = "full precision
     message = f"{what}: {reason}; falling back to {to}"
     if strict:
         raise UnsupportedError(f"{what}: {reason} (strict=True forbids the fallback to {to})")
-    site = _running_site()
+    site = current_site()
     if site is not None:
         site.fallbacks.add(reason)
     if message not in _WARNED:
@@ -82,7 +84,7 @@ def fall_back(what: str, reason: str, *, strict: bool, to: str = "full precision
 
 def note_implementation(name: str) -> None:
     """Record on the running site (if any) which implementation served a call, and count the call."""
-    site = _running_site()
+    site = current_site()
     if site is not None:
         site.implementations.add(name)
         site.routes[name] = site.routes.get(name, 0) + 1
@@ -90,7 +92,7 @@ def note_implementation(name: str) -> None:
 
 def note_sdpa_route(record: SiteRecord | None, why: str) -> None:
     """Count a call of ``record`` (or of the running site) that ran SDPA by policy, with why."""
-    site = record if record is not None else _running_site()
+    site = record if record is not None else current_site()
     if site is not None:
         route = f"sdpa: {why}"
         site.routes[route] = site.routes.get(route, 0) + 1

@@ -3,14 +3,16 @@
 | mode | attention | KV cache | linear | paper |
 | --- | --- | --- | --- | --- |
 | ``off`` | full precision | — | — | — |
-| ``sage2-8b`` | Q,K INT8 per-thread, smooth Q+K, P̃/V FP8 e4m3 (1/448, per-channel) | — | — | SageAttention2 |
-| ``sage2-4b`` | as ``sage2-8b`` with Q,K INT4 ([-7, 7]) | — | — | SageAttention2 |
+| ``sage2-8b`` | Q,K INT8 per-thread, smooth K, P̃/V FP8 (1/448, per-channel), two-level P·V | — | — | SageAttention2 |
+| ``sage2-4b`` | as ``sage2-8b`` with Q,K INT4 ([-7, 7]) and smooth Q | — | — | SageAttention2 |
 | ``int8-flash`` | Q,K INT8 per-token, V INT8 per-tensor, P = round(127·P̃), l from P | — | — | INT-FlashAttention |
 | ``turbo`` | Q,K,V INT8 per block (absmax/119), SAS exp, P INT8 per tile | INT8 → INT4/INT2 | — | TurboAttention |
 | ``fireq`` | Q,K per-token FP8, V FP8 per-tensor, P̃ FP8 | INT4 per-token | W4A8-FP8 | FireQ |
 
-SageAttention2 §5 notes its Hopper 8-bit kernel drops smooth Q; our ``sage2-8b`` keeps it
-on as the product brief specifies (``with_options(smooth_q=False)`` gives the paper's).
+``sage2-8b`` is SageAttention2's Hopper 8-bit kernel, which has every technique of the paper's §3
+except smooth Q (§4.1, Implementation). ``with_options(smooth_q=True)`` adds it back; config version 1
+had it on by default, and version-1 configs and checkpoints still load with it on. ``sage2-4b`` keeps
+smooth Q, the paper's remedy for INT4 Q·Kᵀ (§3.1).
 Both sage2 modes also smooth V (the paper's optional §3.4 technique): with FP8 P̃ and a
 denominator summed from the unquantized P̃, the P̃ rounding error is multiplied by V's channel
 bias; subtracting mean(V) removes it (rel-L1 0.0205 → 0.0061 on channel-biased V, neutral on
@@ -29,7 +31,7 @@ _SAGE2_8B = AttentionConfig(
     qk_granularity="thread",
     qk_qmax=127,
     smooth_k=True,
-    smooth_q=True,
+    smooth_q=False,
     smooth_v=True,
     pv_format="fp8_e4m3",
     v_granularity="channel",
@@ -39,7 +41,7 @@ _SAGE2_8B = AttentionConfig(
 MODES: dict[str, ModeConfig] = {
     "off": ModeConfig(name="off"),
     "sage2-8b": ModeConfig(name="sage2-8b", attention=_SAGE2_8B),
-    "sage2-4b": ModeConfig(name="sage2-4b", attention=_SAGE2_8B.replace(qk_format="int4", qk_qmax=7)),
+    "sage2-4b": ModeConfig(name="sage2-4b", attention=_SAGE2_8B.replace(qk_format="int4", qk_qmax=7, smooth_q=True)),
     "int8-flash": ModeConfig(
         name="int8-flash",
         attention=AttentionConfig(

@@ -17,6 +17,7 @@ import quantpatch as qp
 from quantpatch.fallback import reset_fallback_warnings
 from quantpatch.kernels.attention_ref import attention_exact
 from quantpatch.kernels.quant_attention_ref import quant_attention_ref
+from quantpatch.range_check import forget_checks
 from quantpatch.synthetic import attention_inputs
 from tests.patches.conftest import tiny_model
 from tests.tolerances import RANDN_COS_FLOOR
@@ -30,8 +31,10 @@ PYDOC = SHARED / "models" / "pydoc-llama-21m"
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
     reset_fallback_warnings()
+    forget_checks()
     yield
     reset_fallback_warnings()
+    forget_checks()
 
 
 def cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -193,6 +196,56 @@ def test_zero_and_negative_scales(mode, scale):
     assert cos(o, ref) >= RANDN_COS_FLOOR.get(mode, 0.9999)
     if scale == 0.0:  # uniform weights: every row is the mean of V (to the mode's V quantization)
         assert cos(o, v.double().mean(2, keepdim=True).expand_as(ref)) >= RANDN_COS_FLOOR.get(mode, 0.9999)
+
+
+def _large_key_channel(value: float):
+    q, k, v = attention_inputs("randn", heads=4, seq_q=600, head_dim=128, seed=0)
+    k[..., 5] = value
+    return q, k, v
+
+
+@pytest.mark.parametrize("mode, value, warns", [
+    ("int8-flash", 100.0, True), ("turbo", 100.0, True), ("sage2-8b", 100.0, False), ("sage2-4b", 100.0, False),
+    ("int8-flash", 1e4, True), ("turbo", 1e4, True), ("fireq", 100.0, False),
+])
+def test_accuracy_collapse_on_large_key_channels_warns_once_naming_a_mode_that_copes(mode, value, warns):
+    q, k, v = _large_key_channel(value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        o = qp.attention(q, k, v, mode=mode)
+        qp.attention(q, k, v, mode=mode)
+    accuracy = [w for w in caught if issubclass(w.category, qp.QuantpatchAccuracyWarning)]
+    assert len(accuracy) == int(warns)
+    if warns:
+        assert "sage2-8b" in str(accuracy[0].message) and "CosSim" in str(accuracy[0].message)
+        assert cos(o, exact(q, k, v)) < 0.99  # the warning is about a real loss
+    else:
+        assert cos(o, exact(q, k, v)) >= 0.97
+
+
+@pytest.mark.parametrize("mode", QUANTIZED)
+def test_ordinary_inputs_raise_no_accuracy_warning(mode):
+    q, k, v = attention_inputs("outliers", heads=4, seq_q=600, head_dim=128, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", qp.QuantpatchAccuracyWarning)
+        qp.attention(q, k, v, mode=mode, is_causal=True)
+
+
+def test_a_collapsing_site_is_reported_once(one_cpu_thread):
+    model = tiny_model("llama")
+    with torch.no_grad():
+        for layer in model.model.layers:  # unit-scale queries and keys, and a key projection with one channel at 1e4
+            attn = layer.self_attn
+            for proj in (attn.q_proj, attn.k_proj):
+                proj.weight.normal_(0, proj.in_features ** -0.5)
+            attn.k_proj.bias = torch.nn.Parameter(torch.zeros(attn.k_proj.out_features))
+            attn.k_proj.bias[3] = 1e4
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(qp.QuantpatchAccuracyWarning, match="model.layers.0.self_attn"):
+        with qp.patch_model(model, "int8-flash", policy="always") as handle, torch.no_grad():
+            model(ids)
+            model(ids)
+    assert any("accuracy: CosSim" in r for r in handle.fallbacks()["model.layers.0.self_attn"])
 
 
 # --------------------------------------------------------------------------- patched models

@@ -56,7 +56,7 @@ def _operands(nq, nk, heads, kv_heads, mode="sage2-8b", smooth_q=True, seed=0, c
                                head_dim=128, seed=seed)
     q, k, v = (t.to("cuda", torch.bfloat16) for t in (q, k, v))
     cfg = qp.get_mode(mode).attention
-    opts = fast_paths.quant_options(cfg) | (dict(smooth_q=smooth_q) if cfg.smooth_q else {})
+    opts = fast_paths.quant_options(cfg) | (dict(smooth_q=smooth_q) if cfg.numerics == "sage2" else {})
     x = QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **opts, is_causal=causal))
     return nan_where_unwritten(x, nq, nk, opts, is_causal=causal), cfg, (q, k, v)
 

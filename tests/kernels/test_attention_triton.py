@@ -260,11 +260,11 @@ def test_causal_quantization_writes_the_delta_s_that_causal_kernels_read(nq, nk)
     the reference; and with the rest NaN the causal Triton kernel (the reference's tiles and the production ones)
     gives the bits it gives over the full ΔS, so it reads none of them. (300, 170): rows that see no key."""
     from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
-    from quantpatch.kernels.fast_paths import kernel_blocks
+    from quantpatch.kernels.fast_paths import kernel_blocks, quant_options
     from quantpatch.kernels.qk_quant_triton import quantize_qkv
 
-    cfg = get_mode("sage2-8b").attention
-    kw = _quant_kw("sage2-8b")
+    cfg = get_mode("sage2-8b", smooth_q=True).attention  # ΔS exists only with smooth Q
+    kw = quant_options(cfg)
     q, k, v = _inputs(nq, nk, kind="outliers", seed=nq - nk)
     _check_quantization(q, k, v, kw, is_causal=True)
     full = quantize_qkv(q, k, v, **kw)

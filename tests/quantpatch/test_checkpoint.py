@@ -73,13 +73,13 @@ def test_round_trip_logits_are_bitwise_identical(saved, eval_attention):
 def test_round_trip_bf16_and_patched_attention(tmp_path):
     model = _converted(dtype=torch.bfloat16)
     save(model, tmp_path)
-    loaded = load(tmp_path, patch_attention=True)
+    loaded = load(tmp_path, patch_attention=True, policy="always")
     assert loaded.model.layers[0].mlp.up_proj.scales.dtype == torch.float8_e4m3fn
     assert loaded.model.norm.weight.dtype == torch.bfloat16
     assert getattr(loaded, "_quantpatch_handle", None) is not None
     import quantpatch
 
-    with quantpatch.patch_model(model, "fireq"), torch.no_grad():
+    with quantpatch.patch_model(model, "fireq", policy="always"), torch.no_grad():
         expect = model(IDS).logits
     with torch.no_grad():
         assert torch.equal(loaded(IDS).logits, expect)

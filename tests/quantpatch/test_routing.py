@@ -151,3 +151,28 @@ def test_speed_policy_takes_the_kernel_where_the_table_says_it_wins(monkeypatch)
     routes = handle.sites[0].routes
     assert routes["sdpa: short"] == 1
     assert [r for r in routes if r.startswith("sdpa: only the PyTorch reference")]
+
+
+def test_tune_command_needs_a_gpu_and_says_so(capsys, monkeypatch):
+    from quantpatch.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["tune"]) == 2
+    assert "needs CUDA" in capsys.readouterr().err
+
+
+def test_tune_command_prints_and_writes_the_table(capsys, monkeypatch, tmp_path):
+    from quantpatch.cli import main
+
+    seen = {}
+
+    def fake_tune(modes, head_dims, lengths, *, heads, out):
+        seen.update(modes=modes, head_dims=head_dims, lengths=lengths, heads=heads, out=out)
+        return {"crossovers": {"sage2/d128/full": 8192, "turbo/d128/full": None}}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(routing, "tune", fake_tune)
+    assert main(["tune", "--modes", "sage2-8b", "--lengths", "1024", "2048", "--out", str(tmp_path / "t.json")]) == 0
+    out = capsys.readouterr().out
+    assert "from 8192 tokens" in out and "never" in out
+    assert seen["modes"] == ["sage2-8b"] and seen["lengths"] == [1024, 2048] and seen["out"] == tmp_path / "t.json"

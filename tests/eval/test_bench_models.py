@@ -1,0 +1,165 @@
+"""``eval/bench_models.py`` on the CPU: tiny configs of every family through the whole machinery (build on meta,
+materialise, every column, files written), the layer cuts, and the token counts the real rows claim."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+from quantpatch.cli_commands import load_eval_script
+
+pytest.importorskip("diffusers")
+
+ROWS = ["wan-1.3b", "cogvideox-5b", "flux-dev", "llama3-8b-prefill-8k-b1", "llama3-8b-decode-b1-4k", "hunyuanvideo"]
+MODES = ["sage2-8b", "turbo"]
+DECODE_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_eval_script("bench_models.py")
+
+
+@pytest.fixture(scope="module")
+def quick_run(bench, tmp_path_factory):
+    pytest.importorskip("matplotlib")
+    out = tmp_path_factory.mktemp("bench_models")
+    # policy "always": the modes' PyTorch references run (under "speed" a CPU call takes SDPA)
+    result = bench.main(["--device", "cpu", "--rows", *ROWS, "--modes", *MODES, "--reps", "1", "--policy", "always",
+                         "--decode-tokens", str(DECODE_TOKENS), "--layers", "hunyuanvideo=2", "--out", str(out)])
+    return result, out
+
+
+def test_files_written(quick_run):
+    result, out = quick_run
+    for name in ("models.csv", "bench.json", "models.png", "summary.md"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    assert (out / "models.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    record = json.loads((out / "bench.json").read_text())
+    machine = record["machine"]
+    assert machine["git_sha"] and machine["torch"] and machine["diffusers"] and "bench_models" in machine["command"]
+    assert record["config"]["modes"] == MODES
+    assert "Command:" in (out / "summary.md").read_text()
+    with (out / "models.csv").open(newline="") as f:
+        assert len(list(csv.DictReader(f))) == len(result["rows"])
+
+
+def test_every_row_and_column(bench, quick_run):
+    result, _ = quick_run
+    got = {(r["row"], r["column"]) for r in result["rows"]}
+    diffusers_rows = {"wan-1.3b", "cogvideox-5b", "flux-dev", "hunyuanvideo"}
+    want = {(row, col) for row in ROWS for col in ["sdpa", "sdpa-cudnn", *MODES]}
+    want |= {(row, "diffusers-sage") for row in diffusers_rows}
+    assert got == want
+
+
+def test_baseline_and_modes_measured(quick_run):
+    result, _ = quick_run
+    for r in result["rows"]:
+        if r["column"] == "sdpa":
+            assert r["ms"] > 0 and r["speedup"] == 1.0 and r["finite"], r
+        elif r["column"] in MODES:
+            assert r["ms"] > 0 and r["speedup"] > 0 and r["finite"], r
+            # the PyTorch references (or SDPA) in float32: the same function as the unpatched model
+            assert r["cos_sim"] > 0.999 and r["rel_l1"] < 0.05, r
+            report = r["report"]
+            assert report["sites"] > 0 and report["text"].startswith(f"quantpatch mode '{r['column']}'")
+            assert all(run.startswith(f"quantpatch {r['column']} attention") for run in report["runs"]), report
+            assert report["policy"] == "always" and report["routes"], report
+
+
+def test_unavailable_columns_say_why(quick_run):
+    result, _ = quick_run
+    for r in result["rows"]:
+        if r["column"] == "sdpa-cudnn":  # no cuDNN attention on a CPU
+            assert "ms" not in r and r["skipped"], r
+        if r["column"] == "diffusers-sage":
+            try:
+                import sageattention  # noqa: F401
+            except ImportError:
+                assert r["skipped"] == "sageattention is not installed"
+
+
+def test_decode_times_steps_and_turbo_builds_its_cache(quick_run):
+    result, _ = quick_run
+    decode = {r["column"]: r for r in result["rows"] if r["row"] == "llama3-8b-decode-b1-4k"}
+    assert decode["sdpa"]["steps"] == DECODE_TOKENS - 1  # intervals between the DECODE_TOKENS logits steps
+    assert any("TurboCache" in note for note in decode["turbo"]["report"]["notes"])
+    # the INT4 cache changes the logits, the forced tokens keep them comparable step by step
+    assert 0.99 < decode["turbo"]["cos_sim"] < 1.0
+
+
+def test_layer_cut_is_reported(quick_run):
+    result, _ = quick_run
+    layers = {r["row"]: r["layers"] for r in result["rows"]}
+    assert layers["hunyuanvideo"] == "layers 1+1 of 1+2"  # tiny HunyuanVideo: 1 double + 2 single blocks
+    assert layers["wan-1.3b"] == "all"
+
+
+def test_cut_layers(bench):
+    wan, hunyuan = bench.MODELS["wan2.1-t2v-14b"], bench.MODELS["hunyuanvideo"]
+    config, note = bench.cut_layers(wan, wan.config, 10)
+    assert config["num_layers"] == 10 and note == "layers 10 of 40"
+    config, note = bench.cut_layers(hunyuan, hunyuan.config, 6)
+    assert (config["num_layers"], config["num_single_layers"]) == (2, 4) and note == "layers 2+4 of 20+40"
+    assert bench.cut_layers(wan, wan.config, 40) == (wan.config, "")
+    assert bench.cut_layers(wan, wan.config, None) == (wan.config, "")
+
+
+def test_layer_cut_arguments(bench):
+    assert bench.layer_cuts(["4", "wan-14b=10"]) == {None: 4, "wan-14b": 10}
+    with pytest.raises(ValueError, match="unknown row"):
+        bench.layer_cuts(["wan-99b=3"])
+
+
+def test_real_rows_token_counts(bench):
+    """The sequence lengths the rows claim, from the configs' patch sizes and the latent shapes."""
+    rows = {r.name: r for r in bench.ROWS}
+
+    def video_tokens(row) -> int:
+        spec = bench.MODELS[row.model]
+        patch = spec.config["patch_size"]
+        pt, ph, pw = patch if isinstance(patch, tuple) else (spec.config.get("patch_size_t") or 1, patch, patch)
+        latent = row.shape["latent"]
+        frames, h, w = (latent[0], latent[2], latent[3]) if spec.family == "cogvideox" else latent[1:]
+        return frames // pt * (h // ph) * (w // pw)
+
+    assert video_tokens(rows["wan-1.3b"]) == 32760
+    assert video_tokens(rows["wan-14b"]) == 75600
+    assert video_tokens(rows["cogvideox-5b"]) + bench.COGVIDEOX_5B["max_text_seq_length"] == 17776
+    assert video_tokens(rows["hunyuanvideo"]) == 67320
+    assert math.prod(rows["flux-dev"].shape["grid"]) == 4096
+    for name, width in [("wan2.1-t2v-1.3b", 1536), ("wan2.1-t2v-14b", 5120), ("hunyuanvideo", 3072),
+                        ("flux.1-dev", 3072), ("cogvideox-5b", 3072)]:
+        config = bench.MODELS[name].config
+        assert config["num_attention_heads"] * config["attention_head_dim"] == width, name
+
+
+def test_materialize_gives_every_parameter_storage(bench):
+    spec = bench.MODELS["wan2.1-t2v-1.3b"]
+    model = bench.build_model(spec, bench.TINY["wan"], torch.device("cpu"), torch.bfloat16)
+    assert not any(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if pname == "bias":
+                assert not p.any(), f"{name}.{pname}"
+            elif bench._is_norm(module) and p.dim() == 1:
+                assert (p == 1).all(), f"{name}.{pname}"
+    kept = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
+    assert kept and all(set(n.split(".")) & set(model._keep_in_fp32_modules) for n in kept)  # as from_pretrained
+
+
+def test_merge_keeps_earlier_rows(bench, quick_run, tmp_path):
+    _, first = quick_run
+    result = bench.main(["--device", "cpu", "--rows", "wan-1.3b", "--modes", "sage2-8b", "--reps", "1",
+                         "--merge", str(first / "bench.json"), "--out", str(tmp_path)])
+    rows = {r["row"] for r in result["rows"]}
+    assert rows == set(ROWS)
+    assert {r["column"] for r in result["rows"] if r["row"] == "wan-1.3b"} == {
+        "sdpa", "sdpa-cudnn", "sage2-8b", "diffusers-sage"}  # re-run, not kept
+    merged = result["machine"]["merged"]
+    assert len(merged) == 1 and "wan-1.3b" not in merged[0]["rows"] and "flux-dev" in merged[0]["rows"]
