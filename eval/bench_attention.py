@@ -7,8 +7,8 @@ For B=4, H=32, D ∈ {64, 128}, N ∈ {1k … 32k}, causal and not, bf16 inputs:
   replayed: the GPU time of every launch without the host's launch cost (which bounds the
   eager rows at short lengths); its ratios are against the baselines' graph rows;
 * ``quant``: the quantization pass alone (``quantpatch::quantize_qkv``);
-* ``kernel``: the attention kernel alone on pre-quantized operands (the one the ``e2e`` call takes: the Gluon
-  kernel where ``fast_paths.uses_gluon``);
+* ``kernel``: the attention kernel alone on pre-quantized operands (the one the ``e2e`` call takes,
+  ``fast_paths.attention_kernel``);
 * ``sdpa-flash`` / ``sdpa-cudnn``: ``F.scaled_dot_product_attention`` under
   ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` / ``(SDPBackend.CUDNN_ATTENTION)``.
 

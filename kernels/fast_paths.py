@@ -12,14 +12,16 @@ through them; launched on the current stream):
   (:func:`~quantpatch.kernels.qk_quant_triton.quantize_qkv`), returns the 10 tensors of
   :class:`~quantpatch.kernels.qk_quant_triton.QuantizedQKV`;
 * ``quantpatch::attn_qk_int8_pv_fp8``: the attention kernel over them
-  (:func:`~quantpatch.kernels.attn_qk_int8_pv_fp8_triton.attn_qk_int8_pv_fp8`, or on sm_90 for
-  :func:`gluon_takes` calls :func:`~quantpatch.kernels.attn_gluon.attn_qk_int8_gluon`).
+  (:func:`~quantpatch.kernels.attn_qk_int8_pv_fp8_triton.attn_qk_int8_pv_fp8`, or on sm_90 one of the Gluon
+  kernels :func:`attention_kernel` picks).
 
 Which path each mode takes: ``sage2-8b``/``sage2-4b`` (INT8 tensor cores, INT4 values for 4b),
 ``int8-flash``, ``fireq`` and ``turbo``'s prefill (SAS exponential, per-tile P scale, per-block V
-scale) run these Triton kernels on sm_89/sm_90 (sm_80 for configs without FP8 operands); on sm_90,
-sage2's and int8-flash's head_dim-128 calls with at least ``GLUON_MIN_KEYS`` keys (causal: with Nk - Nq a multiple of
-128) run the Gluon kernel (same numerics, FA3's warp-specialised ping-pong schedule).
+scale) run these Triton kernels on sm_89/sm_90 (sm_80 for configs without FP8 operands). On sm_90, sage2-8b's and
+int8-flash's head_dim-64/128 calls from ``SM90_MIN_KEYS`` keys run the one-warpgroup Gluon kernel
+(:mod:`~quantpatch.kernels.attn_qk_int8_pv_fp8_sm90`: several programs an SM hide each other's latency), and smooth-Q
+calls (sage2-4b) at head_dim 128 from ``GLUON_MIN_KEYS`` keys (causal: Nk - Nq a multiple of 128) the warp-specialised
+ping-pong kernel (:mod:`~quantpatch.kernels.attn_gluon`); the numerics are the same.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ FP8_OPERANDS = ("fp8_e4m3",)
 # at 4k, 0.98× at 2k.
 GLUON_MIN_KEYS = {("sage2", False): 2048, ("sage2", True): 4096, ("int8_flash", False): 2048,
                   ("int8_flash", True): 4096}
+# the one-warpgroup sm_90 kernel from this many keys on, by causal: where it ran faster than the Triton kernel, kernel
+# only (H200, B=4, H=32; D=128 1.02 / 1.26× cuDNN at 1k / 4k against 0.87 / 1.04×, causal 1.12× at 4k, 0.67× at 1k)
+SM90_MIN_KEYS = {False: 1024, True: 4096}
 
 
 # --------------------------------------------------------------------------- config mapping
@@ -157,10 +162,25 @@ def gluon_takes(cfg: AttentionConfig, head_dim: int, nq: int, nk: int, is_causal
     return nk >= GLUON_MIN_KEYS[cfg.numerics, is_causal]
 
 
-def uses_gluon(cfg: AttentionConfig, device: torch.device, head_dim: int, nq: int, nk: int, is_causal: bool) -> bool:
-    """:func:`gluon_takes` and the Gluon kernel runs on ``device`` (:data:`ATTENTION_GLUON`): the call quantizes
-    with ``v_key_order`` and attends with the Gluon kernel."""
-    return gluon_takes(cfg, head_dim, nq, nk, is_causal) and ATTENTION_GLUON.unsupported(device) is None
+def sm90_takes(cfg: AttentionConfig, head_dim: int, nq: int, nk: int, is_causal: bool) -> bool:
+    """Whether :func:`~quantpatch.kernels.attn_qk_int8_pv_fp8_sm90.attn_qk_int8_pv_fp8_sm90` computes this call (on
+    sm_90): the Gluon numerics without smooth Q (sage2-8b, int8-flash), head_dim 64 or 128, at least
+    ``SM90_MIN_KEYS[is_causal]`` keys (where it ran faster than the Triton kernel, kernel only, H200)."""
+    return (_attn_sm90 is not None and _gluon_numerics(cfg) and not cfg.smooth_q
+            and head_dim in _attn_sm90.HEAD_DIMS and nk >= SM90_MIN_KEYS[is_causal])
+
+
+def attention_kernel(cfg: AttentionConfig, device: torch.device, head_dim: int, nq: int, nk: int,
+                     is_causal: bool) -> str:
+    """The kernel of a call: ``"sm90"`` (:func:`sm90_takes`), ``"gluon"`` (:func:`gluon_takes`: smooth Q), each on
+    an sm_90 device where Gluon compiles (:data:`ATTENTION_GLUON`), else ``"triton"``. The Gluon kernels take
+    operands quantized with ``v_key_order``."""
+    if ATTENTION_GLUON.unsupported(device) is None:
+        if sm90_takes(cfg, head_dim, nq, nk, is_causal):
+            return "sm90"
+        if gluon_takes(cfg, head_dim, nq, nk, is_causal):
+            return "gluon"
+    return "triton"
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -216,13 +236,18 @@ def _attend(
     k_mean: torch.Tensor, delta_s: torch.Tensor, v_hat_t: torch.Tensor, v_scale: torch.Tensor, v_mean: torch.Tensor,
     nk: int, is_causal: bool, sm_scale: float, return_lse: bool, out_dtype: torch.dtype, block_q: int,
     l_from_quantized_p: bool, two_level_accum: bool, block_m: int, block_n: int, num_warps: int, num_stages: int,
-    turbo: bool, p_qmax: int, gluon: bool, qk_granularity: str,
+    turbo: bool, p_qmax: int, kernel: str, qk_granularity: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attn_qk_int8_pv_fp8` over the fields of ``QuantizedQKV`` (the custom op's body); with ``gluon``
-    (operands quantized with ``v_key_order``) the Gluon kernel."""
+    """:func:`attn_qk_int8_pv_fp8` over the fields of ``QuantizedQKV`` (the custom op's body); ``kernel`` (from
+    :func:`attention_kernel`): ``"sm90"`` or ``"gluon"`` (operands quantized with ``v_key_order``) run the Gluon
+    kernels, ``"triton"`` the Triton one."""
     x = QuantizedQKV(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean)
-    if gluon:
+    if kernel != "triton":
         try:
+            if kernel == "sm90":
+                return _attn_sm90.attn_qk_int8_pv_fp8_sm90(x, nk, qk_granularity=qk_granularity, is_causal=is_causal,
+                                                           sm_scale=sm_scale, return_lse=return_lse,
+                                                           out_dtype=out_dtype)
             return _attn_gluon.attn_qk_int8_gluon(x, nk, qk_granularity=qk_granularity, is_causal=is_causal,
                                                   sm_scale=sm_scale, return_lse=return_lse, out_dtype=out_dtype,
                                                   block_q=block_q, v_keys_permuted=v_hat_t)
@@ -242,7 +267,7 @@ attn_qk_int8_pv_fp8_op = torch.library.custom_op("quantpatch::attn_qk_int8_pv_fp
 @attn_qk_int8_pv_fp8_op.register_fake
 def _(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean, nk, is_causal, sm_scale,
       return_lse, out_dtype, block_q, l_from_quantized_p, two_level_accum, block_m, block_n, num_warps, num_stages,
-      turbo, p_qmax, gluon, qk_granularity):
+      turbo, p_qmax, kernel, qk_granularity):
     b, h, nq, d = q_hat.shape
     lse_shape = (b, h, nq) if return_lse else (0,)
     return q_hat.new_empty((b, h, nq, d), dtype=out_dtype), q_hat.new_empty(lse_shape, dtype=torch.float32)
@@ -255,14 +280,14 @@ def prefill_options(cfg: AttentionConfig, device: torch.device, head_dim: int, n
                     sm_scale: float, return_lse: bool, out_dtype: torch.dtype,
                     blocks: dict | None = None) -> tuple[dict, tuple]:
     """The arguments of a call's two custom ops: :func:`quantize_qkv_op`'s keywords, and
-    :func:`attn_qk_int8_pv_fp8_op`'s options after the quantized tensors (the Gluon kernel where :func:`uses_gluon`,
+    :func:`attn_qk_int8_pv_fp8_op`'s options after the quantized tensors (the kernel :func:`attention_kernel` picks,
     else the Triton kernel with :func:`kernel_blocks`, or ``blocks`` where given)."""
-    gluon = blocks is None and uses_gluon(cfg, device, head_dim, nq, nk, is_causal)
+    kernel = "triton" if blocks is not None else attention_kernel(cfg, device, head_dim, nq, nk, is_causal)
     kb = kernel_blocks(cfg, head_dim) if blocks is None else blocks
-    quant_kw = quant_options(cfg) | dict(v_key_order=gluon, is_causal=is_causal)
+    quant_kw = quant_options(cfg) | dict(v_key_order=kernel != "triton", is_causal=is_causal)
     options = (nk, is_causal, sm_scale, return_lse, out_dtype, cfg.block_q, cfg.l_from_quantized_p,
                cfg.two_level_accum, kb["block_m"], kb["block_n"], kb["num_warps"], kb["num_stages"],
-               cfg.exp == "sas", cfg.pv_qmax, gluon, cfg.qk_granularity)
+               cfg.exp == "sas", cfg.pv_qmax, kernel, cfg.qk_granularity)
     return quant_kw, options
 
 
@@ -350,14 +375,15 @@ for _numerics in ("sage2", "int8_flash", "fireq", "turbo"):
 # last: the Gluon module needs Triton 3.6's triton.experimental.gluon
 try:
     from . import attn_gluon as _attn_gluon
+    from . import attn_qk_int8_pv_fp8_sm90 as _attn_sm90
 
     _GLUON_IMPORT_ERROR = None
 except ImportError as _err:
-    _attn_gluon, _GLUON_IMPORT_ERROR = None, str(_err)
+    _attn_gluon, _attn_sm90, _GLUON_IMPORT_ERROR = None, None, str(_err)
 ATTENTION_GLUON = GluonGate("sage2 / int8-flash attention (head_dim 128)", "the Triton attention kernel",
                             _GLUON_IMPORT_ERROR)
 # the launch plans of the prefill path: quantization (3 launches), then the Triton or the Gluon attention kernel
 PREFILL_PLANS = (qk_quant_triton._STATS_LAUNCH, qk_quant_triton._DELTA_S_LAUNCH, qk_quant_triton._KV_LAUNCH,
-                 _attn_triton._ATTN_LAUNCH) + (() if _attn_gluon is None else (_attn_gluon._LAUNCH,))
+                 _attn_triton._ATTN_LAUNCH) + (() if _attn_gluon is None else (_attn_gluon._LAUNCH, _attn_sm90._LAUNCH))
 
 __all__ = ["IMPLEMENTATION", "call_unsupported", "config_unsupported", "quantized_attention"]

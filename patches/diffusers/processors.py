@@ -18,7 +18,7 @@ import torch
 
 from quantpatch.api import attention
 from quantpatch.config import AttentionConfig
-from quantpatch.dispatch import speed_reason
+from quantpatch.dispatch import AttentionCall, sdpa_reason, speed_reason
 from quantpatch.fallback import SiteRecord, fall_back, note_sdpa_route, running_site
 
 
@@ -36,6 +36,9 @@ class _Router:
             seq = 1 if layout == "BSHD" else 2
             why = speed_reason(self.config, query.device, query.shape[-1], query.shape[seq], key.shape[seq],
                                is_causal)
+            if why is None:  # long enough: does a kernel take it (a mask, a dtype)?
+                q, k, v = (t.transpose(1, 2) for t in (query, key, value)) if seq == 1 else (query, key, value)
+                why = sdpa_reason(AttentionCall(q, k, v, self.config, is_causal, scale, attn_mask, False))
             if why is not None:  # the processor's own attention: its unpatched result and speed
                 note_sdpa_route(self.record, why)
                 return None
@@ -49,7 +52,7 @@ class _Router:
             return None
         with running_site(self.record):
             return attention(query, key, value, mode=self.config, is_causal=is_causal, scale=scale, layout=layout,
-                             attn_mask=attn_mask, strict=self.strict, policy=self.policy)
+                             attn_mask=attn_mask, strict=self.strict)  # the route is decided above
 
     def dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                  enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):

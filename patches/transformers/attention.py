@@ -22,7 +22,7 @@ import torch
 from quantpatch.api import attention
 from quantpatch.config import AttentionConfig
 from quantpatch.convert import apply_online_crs, crs_buffers
-from quantpatch.dispatch import speed_reason
+from quantpatch.dispatch import AttentionCall, sdpa_reason, speed_reason
 from quantpatch.fallback import SiteRecord, fall_back, note_sdpa_route, running_site
 from quantpatch.patches.transformers.turbo_cache import READS_TURBO_LAYERS, turbo_cache_attention, turbo_layer_for
 
@@ -125,6 +125,9 @@ def make_attention_function() -> Callable:
         causal = bool(causal) and attention_mask is None and query.shape[2] > 1
         if site.policy == "speed" and turbo_layer is None:
             why = speed_reason(site.config, query.device, query.shape[-1], query.shape[2], key.shape[2], causal)
+            if why is None:  # long enough: does a kernel take it (a mask, a dtype)?
+                why = sdpa_reason(AttentionCall(query, key, value, site.config, causal, scaling, attention_mask,
+                                                False))
             if why is not None:  # the model's own attention: exactly its unpatched result and speed
                 note_sdpa_route(site.record, why)
                 return site.original(
@@ -152,7 +155,7 @@ def make_attention_function() -> Callable:
                                             is_causal=causal, scale=scaling)
             else:
                 out = attention(query, key, value, mode=site.config, is_causal=causal, scale=scaling,
-                                attn_mask=attention_mask, strict=site.strict, policy=site.policy)
+                                attn_mask=attention_mask, strict=site.strict)  # the route is decided above
         return out.transpose(1, 2).contiguous(), None
 
     setattr(quantpatch_attention_forward, READS_TURBO_LAYERS, True)

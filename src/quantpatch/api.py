@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from quantpatch.config import AttentionConfig, ModeConfig
-from quantpatch.dispatch import REFERENCE, AttentionCall, check_policy, select, speed_reason
+from quantpatch.dispatch import AttentionCall, check_policy, sdpa_reason, select
 from quantpatch.fallback import current_site, fall_back, note_implementation, note_sdpa_route
 from quantpatch.modes import get_mode
 from quantpatch.range_check import check_once
@@ -141,14 +141,12 @@ def attention(
     elif not cfg.quantized:
         result = sdpa_attention(call)
     else:
-        why = speed_reason(cfg, q.device, d, nq, nk, is_causal) if policy == "speed" else None
+        why = sdpa_reason(call) if policy == "speed" else None
         impl = None
         if why is None:
             impl, declined = select(call)
             if impl is None:
                 fall_back(f"quantpatch.attention(numerics={cfg.numerics!r})", "; ".join(declined), strict=strict)
-            elif policy == "speed" and impl.name == REFERENCE:
-                why = f"only the PyTorch reference takes this call ({'; '.join(declined)})"
         if why is not None:
             note_sdpa_route(None, why)
             result = sdpa_attention(call)

@@ -155,6 +155,18 @@ def speed_reason(cfg: AttentionConfig, device: torch.device, head_dim: int, nq: 
     return why if nq < length or nk < length else None
 
 
+def sdpa_reason(call: AttentionCall) -> str | None:
+    """Why ``policy="speed"`` runs SDPA for ``call`` (None: a kernel takes it): shorter than the crossover
+    (:func:`speed_reason`), or no kernel takes it and only the PyTorch reference would (a mask, a dtype, a head dim)."""
+    q, k = call.q, call.k
+    why = speed_reason(call.config, q.device, q.shape[-1], q.shape[2], k.shape[2], call.is_causal)
+    if why is None:
+        impl, declined = select(call)
+        if impl is None or impl.name == REFERENCE:
+            why = f"only the PyTorch reference takes this call ({'; '.join(declined)})"
+    return why
+
+
 def forget_crossovers() -> None:
     """Drop the cached routing decisions (after ``quantpatch tune``, and in tests)."""
     from quantpatch import routing

@@ -43,22 +43,31 @@ def entry_key(key: str, head_dim: int, causal: bool) -> str:
     return f"{key}/d{head_dim}/{'causal' if causal else 'full'}"
 
 
-# sm_90 (H100 / H200): `quantpatch tune` on an H200; see docs/performance.md. Values are the crossover
-# sequence length (queries and keys), None = SDPA was faster at every length measured (1k-32k).
+# sm_90 (H100 / H200): `quantpatch tune` on an H200 (B=1, H=32, bf16; eval/results/tune/crossovers-sm_90.json keeps
+# the measured ratios). Values: the crossover sequence length (queries and keys); None = SDPA was faster at every
+# length measured (1k-32k).
 SHIPPED: dict[str, dict[str, int | None]] = {
     "sm_90": {
+        entry_key("sage2", 64, False): 16384,
+        entry_key("sage2", 64, True): 32768,
         entry_key("sage2", 128, False): 8192,
         entry_key("sage2", 128, True): 16384,
-        entry_key("sage2+smooth_q", 128, False): 8192,
-        entry_key("sage2+smooth_q", 128, True): 16384,
-        entry_key("int8_flash", 128, False): 8192,
+        entry_key("sage2+smooth_q", 64, False): None,
+        entry_key("sage2+smooth_q", 64, True): None,
+        entry_key("sage2+smooth_q", 128, False): 32768,
+        entry_key("sage2+smooth_q", 128, True): 32768,
+        entry_key("int8_flash", 64, False): None,
+        entry_key("int8_flash", 64, True): None,
+        entry_key("int8_flash", 128, False): 16384,
         entry_key("int8_flash", 128, True): 16384,
+        entry_key("fireq", 64, False): None,
+        entry_key("fireq", 64, True): None,
         entry_key("fireq", 128, False): 8192,
-        entry_key("fireq", 128, True): 16384,
+        entry_key("fireq", 128, True): 32768,
+        entry_key("turbo", 64, False): None,
+        entry_key("turbo", 64, True): None,
         entry_key("turbo", 128, False): None,
         entry_key("turbo", 128, True): None,
-        **{entry_key(k, 64, c): None for k in ("sage2", "sage2+smooth_q", "int8_flash", "fireq", "turbo")
-           for c in (False, True)},
     },
 }
 

@@ -107,14 +107,14 @@ def test_gluon_takes_its_numerics_from_the_route_lengths(mode, is_causal):
     """From ``GLUON_MIN_KEYS[numerics, causal]`` keys on (causal: with Nk - Nq a multiple of 128), never below; never
     on a CPU."""
     import quantpatch as qp
-    from quantpatch.kernels.fast_paths import gluon_takes, uses_gluon
+    from quantpatch.kernels.fast_paths import attention_kernel, gluon_takes
 
     cfg = qp.get_mode(mode).attention
     n = GLUON_MIN_KEYS[cfg.numerics, is_causal]
     for nq, nk, takes in [(n, n, True), (300, n + 300, True), (300, n + 256, not is_causal),
                           (n - 128, n - 128, False), (300, n - 1, False)]:
         assert gluon_takes(cfg, 128, nq, nk, is_causal) is takes, (nq, nk)
-        assert not uses_gluon(cfg, torch.device("cpu"), 128, nq, nk, is_causal)  # sm_90 only
+        assert attention_kernel(cfg, torch.device("cpu"), 128, nq, nk, is_causal) == "triton"  # Gluon: sm_90 only
 
 
 @pytest.mark.parametrize("mode, head_dim", [("sage2-8b", 64), ("fireq", 128), ("turbo", 128)])
@@ -181,47 +181,52 @@ def test_gluon_launcher_rejects_what_the_kernel_does_not_compute(call, match):
 @pytest.mark.gpu
 @needs_cuda
 @hopper
-@pytest.mark.parametrize("mode, causal, nq, nk, gluon_route", [
-    ("sage2-8b", False, 300, 4096, True), ("int8-flash", False, 300, 16384, True),
-    ("int8-flash", False, 300, 1024, False), ("sage2-8b", True, 4096, 4096, True),
-    ("int8-flash", True, 300, 300 + 128 * 32, True),
-    ("sage2-8b", True, 300, 16384, False),  # Nk - Nq not a multiple of 128: the Triton kernel
+@pytest.mark.parametrize("mode, causal, nq, nk, route", [
+    ("sage2-8b", False, 300, 4096, "sm90"), ("int8-flash", False, 300, 16384, "sm90"),
+    ("int8-flash", False, 300, 512, "triton"), ("sage2-8b", True, 4096, 4096, "sm90"),
+    ("sage2-4b", False, 300, 4096, "gluon"), ("sage2-4b", True, 300, 300 + 128 * 32, "gluon"),
+    ("sage2-4b", True, 300, 16384, "triton"),  # Nk - Nq not a multiple of 128: the Triton kernel
 ])
-def test_gpu_public_api_routes_long_calls(mode, causal, nq, nk, gluon_route):
+def test_gpu_public_api_routes_long_calls(mode, causal, nq, nk, route):
     """``quantpatch.attention`` returns the output of the kernel its route names bit for bit (same operands)."""
     import quantpatch as qp
     from quantpatch.kernels import fast_paths
     from quantpatch.kernels.attn_gluon import attn_qk_int8_gluon
+    from quantpatch.kernels.attn_qk_int8_pv_fp8_sm90 import attn_qk_int8_pv_fp8_sm90
     from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
     from quantpatch.kernels.qk_quant_triton import QuantizedQKV
 
     q, k, v = attention_inputs("outliers", batch=1, heads=4, kv_heads=2, seq_q=nq, seq_k=nk, head_dim=128, seed=3)
     q, k, v = (t.to("cuda", torch.bfloat16) for t in (q, k, v))
     cfg = qp.get_mode(mode).attention
-    assert fast_paths.gluon_takes(cfg, 128, nq, nk, causal) is gluon_route
-    x = QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **fast_paths.quant_options(cfg)))
+    assert fast_paths.attention_kernel(cfg, q.device, 128, nq, nk, causal) == route
+    x = QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **fast_paths.quant_options(cfg),
+                                                 v_key_order=route != "triton", is_causal=causal))
     o = qp.attention(q, k, v, mode=mode, is_causal=causal, strict=True)
-    gluon = None  # the Gluon kernel rejects the unaligned causal call (test_gluon_launcher_rejects_...)
-    if gluon_route:
-        gluon, _ = attn_qk_int8_gluon(x, nk, qk_granularity=cfg.qk_granularity, is_causal=causal, block_q=cfg.block_q)
-    triton_o, _ = attn_qk_int8_pv_fp8(x, nk, is_causal=causal, block_q=cfg.block_q,
-                                      l_from_quantized_p=cfg.l_from_quantized_p, two_level_accum=cfg.two_level_accum,
-                                      **fast_paths.kernel_blocks(cfg, 128))
-    assert torch.equal(o, gluon if gluon_route else triton_o)
-
+    if route == "sm90":
+        expected, _ = attn_qk_int8_pv_fp8_sm90(x, nk, qk_granularity=cfg.qk_granularity, is_causal=causal)
+    elif route == "gluon":
+        expected, _ = attn_qk_int8_gluon(x, nk, qk_granularity=cfg.qk_granularity, is_causal=causal,
+                                         block_q=cfg.block_q, v_keys_permuted=x.v_hat_t)
+    else:
+        expected, _ = attn_qk_int8_pv_fp8(x, nk, is_causal=causal, block_q=cfg.block_q,
+                                          l_from_quantized_p=cfg.l_from_quantized_p,
+                                          two_level_accum=cfg.two_level_accum, **fast_paths.kernel_blocks(cfg, 128))
+    assert torch.equal(o, expected)
 
 
 @pytest.mark.gpu
 @needs_cuda
 @hopper
-@pytest.mark.parametrize("nk", [1000, 4096])  # the Triton kernel's route, the Gluon kernel's
+@pytest.mark.parametrize("nk", [1000, 4096])  # the Triton kernel's route, the sm_90 kernel's
 def test_gpu_later_calls_of_a_shape_relaunch_the_compiled_kernels(nk):
     """A shape's first call goes through ``JITFunction.run``; later ones go to the compiled kernels' launchers
     (``compiled_launch.LaunchPlans``, no new plan) and give the bits a first call gives, for new inputs too."""
     import quantpatch as qp
     from quantpatch.kernels.fast_paths import PREFILL_PLANS as plans
+    from quantpatch.kernels.fast_paths import SM90_MIN_KEYS
 
-    min_keys = GLUON_MIN_KEYS["sage2", False]
+    min_keys = SM90_MIN_KEYS[False]
     a, b = (tuple(t.to("cuda", torch.bfloat16) for t in attention_inputs(
         "outliers", batch=1, heads=4, kv_heads=2, seq_q=300, seq_k=nk, head_dim=128, seed=seed)) for seed in (5, 6))
 
@@ -235,7 +240,8 @@ def test_gpu_later_calls_of_a_shape_relaunch_the_compiled_kernels(nk):
         p.clear()
     a_first = call(a)
     counts = [len(p) for p in plans]
-    assert counts == [1, 1, 1, int(nk < min_keys), int(nk >= min_keys)]
+    # statistics, ΔS (none: sage2-8b has no smooth Q), K/V, then the Triton / ping-pong / sm_90 attention kernel
+    assert counts == [1, 0, 1, int(nk < min_keys), 0, int(nk >= min_keys)]
     assert torch.equal(call(b), b_first) and torch.equal(call(a), a_first)
     assert [len(p) for p in plans] == counts
 

@@ -283,7 +283,7 @@ def test_custom_op_fake_shapes_match_the_kernels():
     q, k, v = _inputs(17, 113)
     options = fast_paths.quant_options(get_mode("sage2-8b").attention)
     real = fast_paths.quantize_qkv_op(q, k, v, **options)
-    attn_args = (113, True, 0.125, True, torch.float16, 128, False, True, 64, 64, 4, 1, False, 119, False, "thread")
+    attn_args = (113, True, 0.125, True, torch.float16, 128, False, True, 64, 64, 4, 1, False, 119, "triton", "thread")
     real_o = fast_paths.attn_qk_int8_pv_fp8_op(*real, *attn_args)
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         parts = torch.ops.quantpatch.quantize_qkv(*(mode.from_tensor(t) for t in (q, k, v)), **options)

@@ -1,0 +1,307 @@
+"""INT8 Q·Kᵀ prefill attention in Gluon (Triton 3.6+, sm_90), one warpgroup a program: occupancy, not ping-pong.
+
+Numerics of ``attn_qk_int8_pv_fp8_triton._attn_fwd_kernel`` without smooth Q: sage2 (INT8 Q·Kᵀ with SageAttention2's
+per-thread Q and K scales, P̃ → e4m3 at the static 448 scale, FP8 P̃·V of a key block in its own fp32 accumulator
+then added to the main one, per-channel V scale applied once at the end, optional V mean) and, as a constexpr
+variant, int8-flash (per-token Q and K scales, P̂ = rne(127 P̃), INT8 P̂·V, one V scale, ℓ from P̂). Causal
+(bottom-right aligned, any Nk - Nq) or not, any Nq / Nk (tails masked), GQA, optional LSE, head_dim 64 or 128.
+
+A program is one warpgroup (4 warps) over 64 query rows. Its Q tile sits in shared memory; K and Vᵀ blocks of
+``BLOCK_N`` keys come by TMA into ``STAGES``-deep rings, each slot refilled as soon as every warp is done with it.
+Per key block::
+
+    wait K_j; S = Q̂·K̂_jᵀ (wgmma, both operands in shared memory); refill K's slot with block j + STAGES
+    softmax of block j → P̂_j in registers, already in the register layout of the P·V wgmma's A operand
+    wait V_j; R = P̂_j·V̂_j (wgmma, A from registers); acc = α_j acc + R; refill V's slot
+
+No warp waits on another warp of its program, and a program holds about 40–70 KB of shared memory, so three or
+four programs share an SM and one's MMAs run under another's softmax (the design of SageAttention's own sm90
+kernel). A program takes its key blocks last first: the first (the tail, or causal, the one or two blocks that
+cross the diagonal) are the only masked ones, so the main loop holds no mask.
+
+Kernel only, B=4, H=32, bf16 inputs, against SDPA cuDNN in the same run (H200, Triton 3.6, 2 stages, 168 registers
+at D=128): D=128 non-causal 1.02 / 1.26 / 1.28 / 1.26 / 1.33× at 1k / 4k / 8k / 16k / 32k keys (the ping-pong kernel
+``attn_gluon``: 1.15–1.28× from 4k on), causal 0.67 / 1.12 / 1.26 / 1.34 / 1.27×; D=64 non-causal 1.00 / 1.12 /
+1.21 / 1.17 / 1.18×, causal 0.44 / 1.07 / 1.12 / 1.15 / 1.13× (the Triton kernel: 0.77–0.93×). One stage (40 KB of
+shared memory, as SageAttention's) ran within 2 % from 4k keys on and 0.72× as fast at 1k; K and Vᵀ on one mbarrier
+a slot, refilled together after P̂·V, ran 0.90–1.03×.
+
+Per-thread groups make δQ·δK one value a lane and 64-key span (``attn_gluon._lane_scale_shape``); the softmax, the
+key order of P̂ (Vᵀ's keys in ``attn_gluon.wgmma_key_order``, what ``quantize_qkv(..., v_key_order=True)`` writes)
+and the int8-flash arithmetic are ``attn_gluon``'s.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .attn_gluon import _block_pv, _lane_k_scale, _lane_scale_shape, _log2_p_max, _softmax_block
+from .attn_qk_int8_pv_fp8_triton import LOG2E
+from .compiled_launch import LaunchPlans, cdiv
+from .gluon_compat import cta_barrier, tma_load
+from .qk_quant_triton import QuantizedQKV
+
+BLOCK_M = 64  # query rows of a program (one warpgroup, wgmma M)
+HEAD_DIMS = (64, 128)
+DEFAULT_STAGES = 2  # K/Vᵀ ring depth
+# ptxas register cap by head_dim: three programs an SM at D=128 (uncapped, causal programs took 197 registers, two an
+# SM, and ran 0.85–0.90× as fast at 16k–32k keys; H200); D=64 takes 128 registers uncapped, four programs an SM
+MAXNREG = {64: None, 128: 168}
+
+
+@gluon.jit
+def _load_kv(k_desc, vt_desc, ks_desc, k_s, v_s, ks_s, k_bar, v_bar, slot, k_row, v_row, key0,
+             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, TOKEN_SCALES: gl.constexpr):
+    """K block (with its per-token scales for int8-flash) and Vᵀ block from ``key0`` on into ring slot ``slot``."""
+    if TOKEN_SCALES:
+        mbarrier.expect(k_bar.index(slot), BLOCK_N * HEAD_DIM + BLOCK_N * 4)
+        tma_load(ks_desc, [k_row + key0], k_bar.index(slot), ks_s.index(slot))
+    else:
+        mbarrier.expect(k_bar.index(slot), BLOCK_N * HEAD_DIM)
+    tma_load(k_desc, [k_row + key0, 0], k_bar.index(slot), k_s.index(slot))
+    mbarrier.expect(v_bar.index(slot), BLOCK_N * HEAD_DIM)
+    tma_load(vt_desc, [v_row, key0], v_bar.index(slot), v_s.index(slot))
+
+
+@gluon.jit
+def _key_block(j, n_blocks, BLOCK_N: gl.constexpr):
+    """First key of the block a program takes j-th: last first."""
+    return (n_blocks - 1 - j) * BLOCK_N
+
+
+@gluon.jit
+def _attend_block(j, q_s, k_s, v_s, ks_s, k_bar, v_bar, k_desc, vt_desc, ks_desc, KS_ptr, k_row, v_row, n_blocks,
+                  qs, qk_scale, last_key, m_i, l_i, acc, zero_s, zero_o, lane7: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TOKEN_SCALES: gl.constexpr,
+                  PV_INT8: gl.constexpr, MASKED: gl.constexpr, col_s: gl.constexpr, row_s: gl.constexpr,
+                  row_o: gl.constexpr, p_op: gl.constexpr):
+    """Key block j of the program (:func:`_key_block`): S, softmax, P̂·V, ``acc = α acc + P̂·V``; refills both ring
+    slots with block j + STAGES. ``MASKED``: keys past ``last_key`` of a row are masked."""
+    slot = j % STAGES
+    phase = (j // STAGES) & 1
+    key0 = _key_block(j, n_blocks, BLOCK_N)
+    scale = qs
+    if not TOKEN_SCALES:  # this lane's δK, loaded while Q·K runs
+        scale = qs * _lane_k_scale(KS_ptr, k_row + key0, lane7, BLOCK_N)
+    mbarrier.wait(k_bar.index(slot), phase)
+    s_tok = hopper.warpgroup_mma(q_s, k_s.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s_int = hopper.warpgroup_mma_wait(0, deps=[s_tok])
+    # a refill overwrites a slot that every warp's wgmma has read: Triton's shared-memory hazard analysis puts a CTA
+    # barrier before each TMA issue (and its expect), so no warp's reads are pending (checked in the PTX)
+    refill = j + STAGES < n_blocks
+    if TOKEN_SCALES:  # δK of each key comes from the ring: the K slot is refilled after the softmax
+        p_hat, alpha, m_i, l_i = _softmax_block(s_int, scale, None, ks_s.index(slot), qk_scale, key0, m_i, l_i,
+                                                last_key, None, False, BLOCK_N, False, TOKEN_SCALES, PV_INT8, MASKED,
+                                                col_s, row_s, p_op)
+        if refill:
+            mbarrier.expect(k_bar.index(slot), BLOCK_N * HEAD_DIM + BLOCK_N * 4)
+            tma_load(ks_desc, [k_row + key0 - STAGES * BLOCK_N], k_bar.index(slot), ks_s.index(slot))
+            tma_load(k_desc, [k_row + key0 - STAGES * BLOCK_N, 0], k_bar.index(slot), k_s.index(slot))
+    else:
+        if refill:
+            mbarrier.expect(k_bar.index(slot), BLOCK_N * HEAD_DIM)
+            tma_load(k_desc, [k_row + key0 - STAGES * BLOCK_N, 0], k_bar.index(slot), k_s.index(slot))
+        p_hat, alpha, m_i, l_i = _softmax_block(s_int, scale, None, None, qk_scale, key0, m_i, l_i, last_key, None,
+                                                False, BLOCK_N, False, TOKEN_SCALES, PV_INT8, MASKED, col_s, row_s,
+                                                p_op)
+    mbarrier.wait(v_bar.index(slot), phase)
+    r_tok = hopper.warpgroup_mma(p_hat, v_s.index(slot).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+    r = hopper.warpgroup_mma_wait(0, deps=[r_tok])
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + _block_pv(r)  # two-level: a block's P̂·V, then acc
+    if refill:
+        mbarrier.expect(v_bar.index(slot), BLOCK_N * HEAD_DIM)
+        tma_load(vt_desc, [v_row, key0 - STAGES * BLOCK_N], v_bar.index(slot), v_s.index(slot))
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _attn_sm90_kernel(
+    Q_ptr, k_desc, vt_desc, ks_desc, QS_ptr, KS_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr,
+    stride_ob, stride_oh, stride_om,
+    NQ, NK, NK_PAD, H, GROUP, qk_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    SMOOTH_V: gl.constexpr, RETURN_LSE: gl.constexpr, TOKEN_SCALES: gl.constexpr, PV_INT8: gl.constexpr,
+):
+    """Program ``(q block of 64 rows, b·H + h)`` (causal: the last q block first, it has the most keys), 4 warps."""
+    WG_ROWS: gl.constexpr = 64
+    LOG2_PMAX: gl.constexpr = _log2_p_max(PV_INT8)
+    s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_N, 32])
+    o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, HEAD_DIM, 32])
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_mma, k_width=4)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_mma)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_mma)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_mma)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_mma)
+    ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[32 * 16 // HEAD_DIM,
+                                        HEAD_DIM // 16], warps_per_cta=[4, 1], order=[1, 0])
+
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    bh_kv = b * (H // GROUP) + h // GROUP
+    m0 = pid_m * WG_ROWS
+    k_row = bh_kv * NK_PAD  # key 0 of this kv head in the (B·Hkv·Nk_pad, D) view and the flat K scales
+    v_row = bh_kv * HEAD_DIM  # channel 0 in the (B·Hkv·D, Nk_pad) view
+
+    n_blocks = NK_PAD // BLOCK_N
+    n_masked = 1  # the first block taken holds the tail
+    if CAUSAL:  # row r attends keys ≤ r + Nk - Nq: the program needs blocks up to its last row's last key, and
+        # masks those past its first row's last key (one or two blocks)
+        n_blocks = gl.minimum(gl.maximum(gl.cdiv(m0 + WG_ROWS + NK - NQ, BLOCK_N), 1), n_blocks)
+        n_masked = gl.minimum(gl.maximum(n_blocks - gl.maximum(m0 + NK - NQ + 1, 0) // BLOCK_N, 1), n_blocks)
+
+    k_s = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_s = gl.allocate_shared_memory(vt_desc.dtype, [STAGES, HEAD_DIM, BLOCK_N], vt_desc.layout)
+    ks_s = gl.allocate_shared_memory(gl.float32, [STAGES if TOKEN_SCALES else 1, BLOCK_N], ks_desc.layout)
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+    hopper.fence_async_shared()
+    for i in gl.static_range(STAGES):
+        if i < n_blocks:
+            _load_kv(k_desc, vt_desc, ks_desc, k_s, v_s, ks_s, k_bar, v_bar, i, k_row, v_row,
+                     _key_block(i, n_blocks, BLOCK_N), HEAD_DIM, BLOCK_N, TOKEN_SCALES)
+
+    # the Q tile (int8) into shared memory, under the first K/V loads
+    q_s = gl.allocate_shared_memory(gl.int8, [WG_ROWS, HEAD_DIM], k_desc.layout)
+    rows_ld = m0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, ld))
+    d_ld = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    q_s.store(gl.load(Q_ptr + (pid_bh.to(gl.int64) * NQ + rows_ld[:, None]) * HEAD_DIM + d_ld[None, :],
+                      mask=rows_ld[:, None] < NQ, other=0))
+    hopper.fence_async_shared()
+    cta_barrier()
+
+    rows = m0 + gl.arange(0, WG_ROWS, layout=row_s)
+    if CAUSAL:  # bottom-right aligned
+        last_key = gl.minimum(rows + (NK - NQ), NK - 1)
+    else:
+        last_key = gl.full([WG_ROWS], NK - 1, gl.int32, layout=row_s)
+    # δQ · of each lane's rows (16w + i; 16w + 8 + i shares it), shaped (4, 1, 8, 1, 1, 1, 1) in lane7
+    lane7: gl.constexpr = gl.reshape(gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_mma),
+                                     _lane_scale_shape(BLOCK_N)).type.layout
+    ql: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5,
+                                      gl.SliceLayout(6, lane7)))))  # dims (0, 2): warp w, lane row i
+    q_rows = (m0 + 16 * gl.arange(0, 4, layout=gl.SliceLayout(1, ql))[:, None]
+              + gl.arange(0, 8, layout=gl.SliceLayout(0, ql))[None, :])
+    qs = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + q_rows, mask=q_rows < NQ, other=0.0)
+    qs = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qs, 1), 3), 4), 5), 6)
+    if TOKEN_SCALES:  # δQ of each row enters with the softmax scale
+        qk_scale = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + rows, mask=rows < NQ, other=1.0) * qk_scale
+
+    zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.int32, layout=s_mma)
+    zero_o = gl.zeros([WG_ROWS, HEAD_DIM], gl.int32 if PV_INT8 else gl.float32, layout=o_mma)
+    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
+    acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_mma)
+    for j in range(n_masked):
+        m_i, l_i, acc = _attend_block(j, q_s, k_s, v_s, ks_s, k_bar, v_bar, k_desc, vt_desc, ks_desc, KS_ptr, k_row,
+                                      v_row, n_blocks, qs, qk_scale, last_key, m_i, l_i, acc, zero_s, zero_o, lane7,
+                                      HEAD_DIM, BLOCK_N, STAGES, TOKEN_SCALES, PV_INT8, True, col_s, row_s, row_o,
+                                      p_op)
+    for j in range(n_masked, n_blocks):
+        m_i, l_i, acc = _attend_block(j, q_s, k_s, v_s, ks_s, k_bar, v_bar, k_desc, vt_desc, ks_desc, KS_ptr, k_row,
+                                      v_row, n_blocks, qs, qk_scale, last_key, m_i, l_i, acc, zero_s, zero_o, lane7,
+                                      HEAD_DIM, BLOCK_N, STAGES, TOKEN_SCALES, PV_INT8, False, col_s, row_s, row_o,
+                                      p_op)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bar.index(i))
+        mbarrier.invalidate(v_bar.index(i))
+
+    # acc is in units of P_MAX·V̂ and ℓ in units of P_MAX: the two cancel
+    d_o = gl.arange(0, HEAD_DIM, layout=col_o)
+    if PV_INT8:  # one V scale
+        out = acc * gl.load(VS_ptr)
+    else:
+        out = acc * gl.load(VS_ptr + bh_kv * HEAD_DIM + d_o)[None, :]
+    l_o = gl.convert_layout(l_i, row_o)
+    empty = l_o == 0.0
+    out = out / gl.where(empty, 1.0, l_o)[:, None]
+    if SMOOTH_V:
+        out += gl.load(VM_ptr + bh_kv * HEAD_DIM + d_o)[None, :]
+    out = gl.where(empty[:, None], 0.0, out)
+    rows_o = m0 + gl.arange(0, WG_ROWS, layout=row_o)
+    o_ptrs = O_ptr + b.to(gl.int64) * stride_ob + h * stride_oh + rows_o[:, None] * stride_om + d_o[None, :]
+    gl.store(o_ptrs, out.to(O_ptr.dtype.element_ty), mask=rows_o[:, None] < NQ)
+    if RETURN_LSE:
+        l_e = gl.where(l_i == 0.0, 1.0, l_i)
+        lse = (m_i * qk_scale + gl.log2(l_e) - LOG2_PMAX) * 0.6931471805599453
+        lse = gl.where(l_i == 0.0, float("-inf"), lse)
+        gl.store(LSE_ptr + pid_bh.to(gl.int64) * NQ + rows, lse, mask=rows < NQ)
+
+
+_LAUNCH = LaunchPlans(_attn_sm90_kernel)
+
+
+def attn_qk_int8_pv_fp8_sm90(
+    x: QuantizedQKV,
+    nk: int,
+    *,
+    qk_granularity: str = "thread",
+    is_causal: bool = False,
+    sm_scale: float | None = None,
+    return_lse: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+    block_n: int = 128,
+    stages: int = DEFAULT_STAGES,
+    maxnreg: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sage2 (without smooth Q) or int8-flash attention over :func:`~quantpatch.kernels.qk_quant_triton.quantize_qkv`
+    operands quantized with ``v_key_order=True`` (``x.v_hat_t``'s keys in ``attn_gluon.wgmma_key_order``); causal is
+    bottom-right aligned, as the reference. The V operand picks P̂·V, as in the Triton kernel: FP8 V with per-channel
+    scales → P̂ = e4m3(448 P̃) (sage2), INT8 V with one scale → P̂ = rne(127 P̃) and ℓ from P̂ (int8-flash).
+
+    ``qk_granularity``: ``"thread"``, SageAttention2's per-thread groups (``block_q / warps`` a multiple of 16,
+    ``block_k`` of 64), read as one δQ·δK a lane; ``"token"``: one scale a token (int8-flash), δK brought with K.
+    ``stages``: depth of the K and Vᵀ rings; ``maxnreg``: a register cap for ptxas (more programs an SM), None for
+    :data:`MAXNREG` of the head_dim, 0 for none.
+    Returns ``o (B, H, Nq, D)`` in ``out_dtype`` and ``lse (B, H, Nq)`` float32 (natural log; empty unless asked).
+    """
+    b, h, nq, d = x.q_hat.shape
+    hkv, nk_pad = x.k_hat.shape[1], x.k_hat.shape[2]
+    pv_int8 = x.v_hat_t.dtype == torch.int8
+    v_ok = x.v_scale.numel() == 1 if pv_int8 else x.v_hat_t.dtype == torch.float8_e4m3fn and x.v_scale.dim() == 3
+    if x.q_hat.dtype != torch.int8 or not v_ok:
+        raise ValueError("attn_qk_int8_pv_fp8_sm90 takes INT8 Q/K with FP8 V and per-channel V scales (sage2) or "
+                         "INT8 V and one V scale (int8-flash)")
+    if x.delta_s.numel():
+        raise ValueError("attn_qk_int8_pv_fp8_sm90 has no smooth Q (ΔS): quantize with smooth_q=False")
+    if qk_granularity not in ("thread", "token"):
+        raise ValueError(f"qk_granularity={qk_granularity!r}: the kernel reads per-thread or per-token scales")
+    if d not in HEAD_DIMS or nk_pad % block_n or h % hkv:
+        raise ValueError(f"head_dim {d} (takes {HEAD_DIMS}), Nk_pad={nk_pad} (a multiple of block_n={block_n}), "
+                         f"H={h} (a multiple of Hkv={hkv})")
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    o = torch.empty((b, h, nq, d), device=x.q_hat.device, dtype=out_dtype)
+    lse = torch.empty((b, h, nq) if return_lse else (0,), device=o.device, dtype=torch.float32)
+    k_layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, d), element_bitwidth=8, rank=2)
+    v_layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, block_n), element_bitwidth=8, rank=2)
+    vec_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    k_desc = TensorDescriptor.from_tensor(x.k_hat.view(b * hkv * nk_pad, d), [block_n, d], k_layout)
+    vt_desc = TensorDescriptor.from_tensor(x.v_hat_t.view(b * hkv * d, nk_pad), [d, block_n], v_layout)
+    ks_desc = TensorDescriptor.from_tensor(x.k_scale.view(-1), [block_n], vec_layout)
+    maxnreg = MAXNREG[d] if maxnreg is None else maxnreg
+    options = dict(num_warps=4, maxnreg=maxnreg) if maxnreg else dict(num_warps=4)
+    _LAUNCH(
+        (cdiv(nq, BLOCK_M), b * h),
+        (x.q_hat, k_desc, vt_desc, ks_desc, x.q_scale, x.k_scale, x.v_scale, x.v_mean, o, lse,
+         o.stride(0), o.stride(1), o.stride(2),
+         nq, nk, nk_pad, h, h // hkv, scale * LOG2E),
+        dict(HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=is_causal, SMOOTH_V=x.v_mean.numel() > 0,
+             RETURN_LSE=return_lse, TOKEN_SCALES=qk_granularity == "token", PV_INT8=pv_int8),
+        **options,
+    )
+    return o, lse

@@ -1,0 +1,137 @@
+"""The one-warpgroup Gluon kernel (:mod:`quantpatch.kernels.attn_qk_int8_pv_fp8_sm90`: sage2 without smooth Q,
+int8-flash) against the Triton kernel over the same operands.
+
+Both take key blocks of 128, but this kernel takes a program's blocks last first (the tail or causal diagonal
+blocks, the only masked ones), so P̂ is rounded against another running max: a different draw of the same FP8 /
+INT8 rounding noise. The bounds are those of ``test_attention_gluon.py``: err(kernel) ≤ NOISE_FACTOR · err(triton)
++ OUT_TOL against float64; sage2's LSE within LSE_ATOL of the Triton kernel's; int8-flash's (ℓ from P̂) as close to
+float64's as the Triton kernel's, within NOISE_FACTOR and LSE_ATOL. GPU only (Gluon has no interpreter), sm_90;
+the launcher's checks run everywhere.
+"""
+
+import pytest
+import torch
+
+from quantpatch.kernels.attention_ref import attention_exact
+from quantpatch.metrics import rel_l1
+from quantpatch.synthetic import attention_inputs
+from tests.gpu import hopper, needs_cuda
+from tests.kernels.test_attention_triton import LSE_ATOL, NOISE_FACTOR
+from tests.kernels.test_attention_triton import OUT_TOL as OUT_TOLS
+
+OUT_TOL = OUT_TOLS[torch.bfloat16]
+SHAPES = [(1, 1), (113, 203), (239, 239), (1000, 1000), (203, 4096)]
+CAUSAL_SHAPES = [(1, 1), (113, 203), (239, 113), (1000, 1000), (203, 4096)]  # (239, 113): rows that see no key
+
+
+def _operands(nq, nk, head_dim, mode, seed):
+    """bf16 inputs with outliers (GQA: 4 heads over 2) and their quantized operands, Vᵀ's keys in the wgmma order."""
+    import quantpatch as qp
+    from quantpatch.kernels import fast_paths
+    from quantpatch.kernels.qk_quant_triton import quantize_qkv
+
+    q, k, v = attention_inputs("outliers", batch=2, heads=4, kv_heads=2, seq_q=nq, seq_k=nk, head_dim=head_dim,
+                               seed=seed)
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in (q, k, v))
+    cfg = qp.get_mode(mode).attention
+    return quantize_qkv(q, k, v, **fast_paths.quant_options(cfg), v_key_order=True), cfg, (q, k, v)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@hopper
+@pytest.mark.parametrize("shape", range(len(SHAPES)))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("mode, stages", [("sage2-8b", 1), ("sage2-8b", 2), ("int8-flash", 2)])
+def test_gpu_sm90_matches_the_triton_kernel(shape, causal, head_dim, mode, stages):
+    from quantpatch.kernels.attn_gluon import permute_v_keys
+    from quantpatch.kernels.attn_qk_int8_pv_fp8_sm90 import attn_qk_int8_pv_fp8_sm90
+    from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
+
+    nq, nk = (CAUSAL_SHAPES if causal else SHAPES)[shape]
+    x, cfg, qkv = _operands(nq, nk, head_dim, mode, seed=nq + nk + head_dim)
+    plain = x._replace(v_hat_t=permute_v_keys(x.v_hat_t, inverse=True))
+    ref, ref_lse = attn_qk_int8_pv_fp8(plain, nk, is_causal=causal, return_lse=True, block_q=cfg.block_q,
+                                       block_m=64, block_n=128, num_warps=4, num_stages=2,
+                                       l_from_quantized_p=cfg.l_from_quantized_p, two_level_accum=cfg.two_level_accum)
+    out, lse = attn_qk_int8_pv_fp8_sm90(x, nk, qk_granularity=cfg.qk_granularity, is_causal=causal,
+                                        return_lse=True, stages=stages)
+    assert torch.isfinite(out).all()
+    exact, exact_lse = attention_exact(*qkv, is_causal=causal, return_lse=True)
+    err, triton_err = rel_l1(out.double(), exact), rel_l1(ref.double(), exact)
+    assert err <= NOISE_FACTOR * triton_err + OUT_TOL, f"sm90 {err:.3e} vs triton {triton_err:.3e}"
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))  # rows that see no key
+    if cfg.l_from_quantized_p:
+        seen = ~torch.isinf(exact_lse)
+        lse_err, triton_lse_err = ((t.double() - exact_lse)[seen].abs().max().item() for t in (lse, ref_lse))
+        assert lse_err <= NOISE_FACTOR * triton_lse_err + LSE_ATOL, f"LSE {lse_err:.3e} vs {triton_lse_err:.3e}"
+    else:
+        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=LSE_ATOL)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@hopper
+def test_gpu_sm90_without_lse_gives_the_same_output():
+    """The LSE switch compiles another kernel: its output bits are the ones with the LSE."""
+    from quantpatch.kernels.attn_qk_int8_pv_fp8_sm90 import attn_qk_int8_pv_fp8_sm90
+
+    x, cfg, _ = _operands(300, 1000, 128, "sage2-8b", seed=7)
+    out, lse = attn_qk_int8_pv_fp8_sm90(x, 1000, is_causal=True)
+    with_lse, _ = attn_qk_int8_pv_fp8_sm90(x, 1000, is_causal=True, return_lse=True)
+    assert lse.numel() == 0
+    assert torch.equal(out, with_lse)
+
+
+def _cpu_operands(head_dim=128, v_dtype=torch.float8_e4m3fn, v_scale_shape=(1, 1, 128), delta_s=(0,)):
+    from quantpatch.kernels.qk_quant_triton import QuantizedQKV
+
+    i8, f32, empty = torch.int8, torch.float32, torch.empty(0)
+    return QuantizedQKV(torch.zeros(1, 1, 100, head_dim, dtype=i8), torch.ones(1, 1, 100), empty,
+                        torch.zeros(1, 1, 128, head_dim, dtype=i8), torch.ones(1, 1, 128), empty, torch.zeros(delta_s),
+                        torch.zeros(1, 1, head_dim, 128).to(v_dtype), torch.ones(v_scale_shape, dtype=f32), empty)
+
+
+@pytest.mark.parametrize("operands, call, match", [
+    (dict(delta_s=(1, 1, 1, 128)), {}, "smooth Q"),
+    (dict(head_dim=96, v_scale_shape=(1, 1, 96)), {}, "head_dim 96"),
+    ({}, dict(qk_granularity="block"), "qk_granularity"),
+    (dict(v_dtype=torch.int8), {}, "INT8 V and one V scale"),
+    (dict(v_scale_shape=(1,)), {}, "per-channel V scales"),
+])
+def test_sm90_launcher_rejects_what_the_kernel_does_not_compute(operands, call, match):
+    """Checked before anything reaches the GPU: ΔS (smooth Q), other head dims, unknown Q/K groups, V operands of
+    neither numerics."""
+    from quantpatch.kernels.attn_qk_int8_pv_fp8_sm90 import attn_qk_int8_pv_fp8_sm90
+
+    with pytest.raises(ValueError, match=match):
+        attn_qk_int8_pv_fp8_sm90(_cpu_operands(**operands), 100, **call)
+
+
+@pytest.mark.parametrize("mode, d, causal, n, expected", [
+    ("sage2-8b", 128, False, 1024, "sm90"), ("sage2-8b", 64, False, 8192, "sm90"),
+    ("sage2-8b", 128, True, 2048, "triton"), ("sage2-8b", 128, True, 4096, "sm90"),
+    ("int8-flash", 64, True, 16384, "sm90"), ("sage2-8b", 128, False, 512, "triton"),
+    ("sage2-4b", 128, False, 8192, "gluon"), ("sage2-4b", 64, False, 8192, "triton"),
+    ("fireq", 128, False, 8192, "triton"), ("turbo", 128, False, 8192, "triton"),
+])
+def test_route_prefers_the_sm90_kernel_where_it_measured_faster(monkeypatch, mode, d, causal, n, expected):
+    """On an sm_90 device (the gate mocked open): sage2 without smooth Q and int8-flash from SM90_MIN_KEYS keys,
+    smooth Q (sage2-4b) on the ping-pong kernel at D=128, everything else on the Triton kernel; on a CPU, Triton."""
+    import quantpatch as qp
+    from quantpatch.kernels import fast_paths
+
+    if fast_paths._attn_sm90 is None:
+        pytest.skip(f"the Gluon kernels do not import here: {fast_paths._GLUON_IMPORT_ERROR}")
+    cfg = qp.get_mode(mode).attention
+    cpu = torch.device("cpu")
+    assert fast_paths.attention_kernel(cfg, cpu, d, n, n, causal) == "triton"
+
+    class OpenGate:
+        @staticmethod
+        def unsupported(device):
+            return None
+
+    monkeypatch.setattr(fast_paths, "ATTENTION_GLUON", OpenGate)
+    assert fast_paths.attention_kernel(cfg, cpu, d, n, n, causal) == expected
