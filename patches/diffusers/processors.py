@@ -8,10 +8,8 @@ while it runs, the name it calls (``dispatch_attention_fn`` in its module, or
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import sys
-from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -73,33 +71,35 @@ class _Router:
         return out
 
 
-@contextlib.contextmanager
-def _swapped(owner: Any, name: str, value: Any) -> Iterator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
 class QuantpatchProcessor:
-    """Runs ``original`` with its attention product quantized; see the module docstring."""
+    """Runs ``original`` with its attention product quantized; see the module docstring.
+
+    The router and the names it swaps are resolved once, at patch time: a call adds two attribute swaps (four with
+    ``dispatch_attention_fn``) to the processor's own work.
+    """
 
     def __init__(self, original: Any, config: AttentionConfig, record: SiteRecord, strict: bool, route: str,
                  policy: str):
         self.original, self.config, self.record, self.strict, self.route = original, config, record, strict, route
         self.policy = policy
+        self.module = sys.modules[type(original).__module__]
+        dispatch = getattr(self.module, "dispatch_attention_fn", None)
+        self.router = _Router(config, record, strict, dispatch, policy)
+        self.swaps_dispatch = route == "dispatch" and dispatch is not None
 
     def __call__(self, attn: Any, *args: Any, **kwargs: Any) -> Any:
-        module = sys.modules[type(self.original).__module__]
-        dispatch = getattr(module, "dispatch_attention_fn", None)
-        router = _Router(self.config, self.record, self.strict, dispatch, self.policy)
-        with contextlib.ExitStack() as stack:
-            if self.route == "dispatch" and dispatch is not None:
-                stack.enter_context(_swapped(module, "dispatch_attention_fn", router.dispatch))
-            stack.enter_context(_swapped(torch.nn.functional, "scaled_dot_product_attention", router.sdpa))
+        functional, router = torch.nn.functional, self.router
+        router.original_sdpa = functional.scaled_dot_product_attention
+        functional.scaled_dot_product_attention = router.sdpa
+        if self.swaps_dispatch:
+            router.original_dispatch = self.module.dispatch_attention_fn
+            self.module.dispatch_attention_fn = router.dispatch
+        try:
             return self.original(attn, *args, **kwargs)
+        finally:
+            functional.scaled_dot_product_attention = router.original_sdpa
+            if self.swaps_dispatch:
+                self.module.dispatch_attention_fn = router.original_dispatch
 
     def __getattr__(self, name: str) -> Any:  # e.g. _attention_backend, read by the model
         if name == "original":
