@@ -160,6 +160,6 @@ def test_merge_keeps_earlier_rows(bench, quick_run, tmp_path):
     rows = {r["row"] for r in result["rows"]}
     assert rows == set(ROWS)
     assert {r["column"] for r in result["rows"] if r["row"] == "wan-1.3b"} == {
-        "sdpa", "sdpa-cudnn", "sage2-8b", "diffusers-sage"}  # re-run, not kept
+        "sdpa", "sdpa-cudnn", "sage2-8b", "diffusers-sage"}  # the re-run row replaces the merged one
     merged = result["machine"]["merged"]
     assert len(merged) == 1 and "wan-1.3b" not in merged[0]["rows"] and "flux-dev" in merged[0]["rows"]
