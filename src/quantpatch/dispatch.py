@@ -116,7 +116,7 @@ def select(call: AttentionCall) -> tuple[Implementation | None, list[str]]:
 
 POLICIES = ("speed", "always")
 REFERENCE = "reference"
-_CROSSOVERS: dict[tuple, tuple[float, str, AttentionConfig]] = {}
+_CROSSOVERS: dict[tuple, tuple[float, str]] = {}
 
 
 def check_policy(policy: str) -> str:
@@ -125,24 +125,17 @@ def check_policy(policy: str) -> str:
     return policy
 
 
-def speed_reason(cfg: AttentionConfig, device: torch.device, head_dim: int, nq: int, nk: int,
-                 is_causal: bool) -> str | None:
-    """Why ``policy="speed"`` runs SDPA for this call rather than ``cfg``'s kernel (None: the kernel).
-
-    Decided from shapes against the crossover table of the device's architecture
-    (:mod:`quantpatch.routing`); the table lookup is cached per (device, config, head dim, causal), so
-    a call costs a dict lookup and two comparisons.
-    """
-    if device.type != "cuda":
-        return "SDPA is faster than the PyTorch reference off the GPU"
-    key = (device.index, id(cfg), head_dim, is_causal)  # id: hashing a 20-field config costs microseconds
-    entry = _CROSSOVERS.get(key)
-    if entry is None or entry[2] is not cfg:
+@torch.compiler.assume_constant_result  # a table lookup: a constant to torch.compile, no graph break
+def _crossover(device_index: int, key: str, head_dim: int, is_causal: bool) -> tuple[float, str]:
+    """The crossover length of (device, :func:`routing.speed_key`, head dim, causal) and the reason SDPA runs below it,
+    looked up once and cached."""
+    entry = _CROSSOVERS.get((device_index, key, head_dim, is_causal))
+    if entry is None:
         from quantpatch import routing
 
-        architecture = routing.arch(device)
+        architecture = routing.arch(torch.device("cuda", device_index))
         table, source = routing.table_for(architecture)
-        length = routing.min_length(table, cfg, head_dim, is_causal)
+        length = routing.table_length(table, key, head_dim, is_causal)
         kind = "causal" if is_causal else "non-causal"
         if table is None:
             why = f"no measured crossover for {architecture} (run `quantpatch tune`)"
@@ -150,8 +143,22 @@ def speed_reason(cfg: AttentionConfig, device: torch.device, head_dim: int, nq: 
             why = f"SDPA was faster at every measured length on {architecture} (D={head_dim}, {kind}; {source})"
         else:
             why = f"shorter than the {architecture} crossover of {length} tokens (D={head_dim}, {kind}; {source})"
-        entry = _CROSSOVERS[key] = (length, why, cfg)
-    length, why, _ = entry
+        entry = _CROSSOVERS[device_index, key, head_dim, is_causal] = (length, why)
+    return entry
+
+
+def speed_reason(cfg: AttentionConfig, device: torch.device, head_dim: int, nq: int, nk: int,
+                 is_causal: bool) -> str | None:
+    """Why ``policy="speed"`` runs SDPA for this call rather than ``cfg``'s kernel (None: the kernel).
+
+    Decided from shapes against the crossover table of the device's architecture (:mod:`quantpatch.routing`),
+    looked up once per (device, numerics, head dim, causal): a call costs a dict lookup and two comparisons.
+    """
+    if device.type != "cuda":
+        return "SDPA is faster than the PyTorch reference off the GPU"
+    from quantpatch.routing import speed_key
+
+    length, why = _crossover(device.index or 0, speed_key(cfg), head_dim, is_causal)
     return why if nq < length or nk < length else None
 
 

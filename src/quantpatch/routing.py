@@ -197,9 +197,9 @@ def tune(
     return table
 
 
-def min_length(table: dict[str, int | None] | None, cfg: AttentionConfig, head_dim: int, causal: bool) -> float:
-    """The crossover length of a call (``inf``: never, or not measured)."""
+def table_length(table: dict[str, int | None] | None, key: str, head_dim: int, causal: bool) -> float:
+    """The crossover length of :func:`speed_key` ``key`` at ``head_dim`` (``inf``: never, or not measured)."""
     if table is None:
         return math.inf
-    value = table.get(entry_key(speed_key(cfg), head_dim, causal))
+    value = table.get(entry_key(key, head_dim, causal))
     return math.inf if value is None else value

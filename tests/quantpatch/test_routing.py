@@ -173,3 +173,17 @@ def test_tune_command_prints_and_writes_the_table(capsys, monkeypatch, tmp_path)
     out = capsys.readouterr().out
     assert "from 8192 tokens" in out and "never" in out
     assert seen["modes"] == ["sage2-8b"] and seen["lengths"] == [1024, 2048] and seen["out"] == tmp_path / "t.json"
+
+
+def test_the_speed_decision_traces_without_a_graph_break():
+    """torch.compile(fullgraph=True) of a function that asks for the route (a CUDA device object, shapes from a
+    tensor): the table lookup is a constant to dynamo."""
+
+    def route(x):
+        why = dispatch.speed_reason(SAGE, CUDA, 128, x.shape[0], x.shape[0], False)
+        return x * 2 if why is None else x * 3
+
+    torch._dynamo.reset()
+    compiled = torch.compile(route, fullgraph=True)
+    assert torch.equal(compiled(torch.ones(8192)), torch.full((8192,), 2.0))
+    assert torch.equal(compiled(torch.ones(4096)), torch.full((4096,), 3.0))
