@@ -287,12 +287,18 @@ def speed_rows(args: argparse.Namespace) -> list[dict]:
                         rows.append(row | {"ms": math.nan, "graph_ms": math.nan, "skipped": reason})
                         continue
                     ms = bench_ms(fn, args.device, args.n_sets, args.warmup, args.rep)
-                    graph_ms = math.nan
+                    graph_ms, note = math.nan, ""
                     if args.graph and args.device.startswith("cuda"):
-                        replay = graph_runner(fn, args.n_sets)
-                        graph_ms = bench_ms(replay, args.device, 1, args.warmup, args.rep) / GRAPH_CALLS
-                        del replay
-                    rows.append(row | {"ms": ms, "graph_ms": graph_ms, "skipped": ""})
+                        try:
+                            replay = graph_runner(fn, args.n_sets)
+                        except RuntimeError as err:  # e.g. the reference builds host tensors: not capturable
+                            note = f"no CUDA-graph time: {str(err).splitlines()[0][:120]}"
+                            logger.warning("%s B=%d N=%d: %s", impl, b, n, note)
+                            torch.cuda.synchronize()
+                        else:
+                            graph_ms = bench_ms(replay, args.device, 1, args.warmup, args.rep) / GRAPH_CALLS
+                            del replay
+                    rows.append(row | {"ms": ms, "graph_ms": graph_ms, "skipped": note})
                     del fn
                     if args.device.startswith("cuda"):
                         torch.cuda.empty_cache()
