@@ -9,8 +9,10 @@ For B=4, H=32, D ∈ {64, 128}, N ∈ {1k … 32k}, causal and not, bf16 inputs:
 * ``quant``: the quantization pass alone (``quantpatch::quantize_qkv``);
 * ``kernel``: the attention kernel alone on pre-quantized operands (the one the ``e2e`` call takes,
   ``fast_paths.attention_kernel``);
-* ``sdpa-flash`` / ``sdpa-cudnn``: ``F.scaled_dot_product_attention`` under
-  ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` / ``(SDPBackend.CUDNN_ATTENTION)``.
+* ``sdpa-default`` / ``sdpa-flash`` / ``sdpa-cudnn``: ``F.scaled_dot_product_attention`` as PyTorch picks its
+  backend / under ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` / ``(SDPBackend.CUDNN_ATTENTION)``;
+* ``sageattn``: upstream SageAttention's ``sageattn`` end to end, the strongest public peer, when the
+  ``sageattention`` package imports (its kernel alone is not timed: its internal launch API is not public).
 
 Times are ``triton.testing.do_bench`` medians (warm-up first) cycling over several input sets
 when they fit in L2; TFLOPS = 4·B·H·N²·D / t, halved for causal. Ratios are against cuDNN and
@@ -50,7 +52,8 @@ from quantpatch.environment import environment_info  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "eval" / "results" / "bench_attention"
 MODES = ("sage2-8b", "sage2-4b", "int8-flash", "fireq", "turbo")
-BASELINES = ("sdpa-flash", "sdpa-cudnn")
+BASELINES = ("sdpa-default", "sdpa-flash", "sdpa-cudnn")
+PEER = "sageattn"  # upstream SageAttention end to end (``sageattention.sageattn``), when the package imports
 L2_ROTATE_BYTES = 256 * 2**20  # rotate input sets while one set is smaller than this
 logger = logging.getLogger("quantpatch").getChild("eval.bench_attention")
 
@@ -114,15 +117,29 @@ def make_inputs(b, h, n, d, n_sets, seed=0, device="cuda"):
 
 
 def sdpa_fn(backend_name: str, is_causal: bool):
+    """SDPA under one backend (``sdpa-flash``, ``sdpa-cudnn``), or as PyTorch picks it (``sdpa-default``)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if backend_name == "sdpa-default":
+        return lambda q, k, v: sdpa(q, k, v, is_causal=is_causal)
     backend = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
 
     def run(q, k, v):
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+            return sdpa(q, k, v, is_causal=is_causal)
 
     return run
+
+
+def peer_fn(is_causal: bool):
+    """Upstream SageAttention end to end on ``(B, H, N, D)`` inputs (its own quantization included), or None with
+    the reason when the ``sageattention`` package does not import."""
+    try:
+        from sageattention import sageattn
+    except ImportError as err:
+        return None, f"sageattention not importable ({err})"
+    return (lambda q, k, v: sageattn(q, k, v, tensor_layout="HND", is_causal=is_causal)), ""
 
 
 def speed_rows(args) -> list[dict]:
@@ -151,6 +168,11 @@ def speed_rows(args) -> list[dict]:
                                           args.rep))
             except RuntimeError as err:  # a backend that cannot take the shape
                 logger.warning("%s failed at D=%d N=%d: %s", name, d, n, err)
+        peer, why_not = peer_fn(causal)
+        if peer is None:
+            logger.info("no %s row: %s", PEER, why_not)
+        else:
+            add(PEER, "e2e", bench(lambda i: peer(*sets[i]), n_sets, args.warmup, args.rep))
         for mode in args.modes:
             cfg = mode_config(mode)
             opts, extra = fast_paths.prefill_options(  # as the e2e call has them
@@ -174,6 +196,7 @@ def speed_rows(args) -> list[dict]:
             ref = graphed if r["kind"] in ("graph", "e2e-graph") else eager
             r["vs_cudnn"] = ref["sdpa-cudnn"] / r["ms"] if "sdpa-cudnn" in ref and r["kind"] != "quant" else ""
             r["vs_flash"] = ref["sdpa-flash"] / r["ms"] if "sdpa-flash" in ref and r["kind"] != "quant" else ""
+            r["vs_default"] = ref["sdpa-default"] / r["ms"] if "sdpa-default" in ref and r["kind"] != "quant" else ""
             print(f"D={d:3d} N={n:5d} causal={int(causal)} {r['impl']:>11s} {r['kind']:>6s} {r['ms']:9.3f} ms "
                   f"{r['tflops']:7.1f} TFLOPS  x{r['vs_cudnn'] or 0:5.2f} cuDNN  x{r['vs_flash'] or 0:5.2f} flash",
                   flush=True)

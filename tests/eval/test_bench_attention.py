@@ -18,3 +18,18 @@ def test_mode_names_switch_boolean_options():
             mode_config(bad)
     with pytest.raises(ValueError, match="unknown"):
         mode_config("sage2-8b+smoothq=0")
+
+
+def test_baselines_include_sdpa_as_pytorch_picks_it_and_the_peer_says_why_it_is_missing(monkeypatch):
+    import sys
+
+    import torch
+
+    bench = load_eval_script("bench_attention.py")
+    assert bench.BASELINES[0] == "sdpa-default"
+    q, k, v = (torch.randn(1, 2, 16, 32) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(bench.sdpa_fn("sdpa-default", True)(q, k, v), expected)
+    monkeypatch.setitem(sys.modules, "sageattention", None)  # an import of it raises ImportError
+    fn, why = bench.peer_fn(False)
+    assert fn is None and "sageattention not importable" in why
