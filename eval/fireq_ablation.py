@@ -41,7 +41,8 @@ import torch
 
 from quantpatch.calibration import CalibrationStats, calibrate
 from quantpatch.checkpoint import load
-from quantpatch.convert import FireQOptions, convert, crs_buffers, fireq_attention_ref
+from quantpatch.convert import FireQOptions, convert, fireq_attention_ref
+from quantpatch.crs import crs_buffers
 from quantpatch.modes import get_mode
 from quantpatch.w4a8_linear import W4A8Linear
 
@@ -63,7 +64,7 @@ def _perplexity_module():
 def int4_only_attention(query, key, value, crs, which: str, *, is_causal: bool, scale, attn_mask):
     """Float attention after online CRS with only K (``which="k"``) or only V (``"v"``) through the INT4 cache."""
     from quantpatch.api import attention
-    from quantpatch.convert import apply_online_crs
+    from quantpatch.crs import apply_online_crs
     from quantpatch.kernels.fireq_ref import dequantize_kv_cache, quantize_kv_cache
 
     query, key = apply_online_crs(query, key, crs)

@@ -1,9 +1,9 @@
-"""GPU fast paths of the quantized attention modes, registered with :mod:`quantpatch.dispatch`.
+"""GPU fast paths of the quantized attention modes, for :mod:`quantpatch.dispatch`.
 
 Imported (with Triton) by ``dispatch.load_kernels``: from ``patch_model``, else on the first CUDA
-call. Each numerics family gets one :class:`~quantpatch.dispatch.Implementation` whose
-``unsupported(call)`` names the first reason it cannot take a call (the caller then tries
-the reference, else falls back to SDPA with one warning).
+call; the dispatcher registers :func:`call_unsupported` and :func:`run` as one implementation of each
+numerics family in :data:`NUMERICS`. ``call_unsupported(call)`` names the first reason the kernels cannot
+take a call (the caller then tries the reference, else falls back to SDPA with one warning).
 
 Custom ops (``torch.library.custom_op`` + ``register_fake``, so ``torch.compile`` traces
 through them; launched on the current stream):
@@ -32,15 +32,16 @@ import torch
 import triton
 
 from quantpatch.config import AttentionConfig
-from quantpatch.dispatch import AttentionCall, Implementation, cuda_unsupported, register
 
 from . import attn_qk_int8_pv_fp8_triton as _attn_triton
 from . import qk_quant_triton
 from .attn_qk_int8_pv_fp8_triton import SAS_THRESHOLD, attn_qk_int8_pv_fp8
+from .device import cuda_unsupported
 from .gluon_gate import GluonGate
 from .qk_quant_triton import GRAN_IDS, QuantizedQKV, quantize_qkv
 from .quant_attention_ref import smooth_k_lse_shift
 
+NUMERICS = ("sage2", "int8_flash", "fireq", "turbo")  # the numerics families the kernels compute
 HEAD_DIMS = (64, 128)
 KEY_BLOCK = 128  # the attention kernel's key block; K/V are padded to a multiple of it
 FP8_OPERANDS = ("fp8_e4m3",)
@@ -117,8 +118,8 @@ def config_unsupported(cfg: AttentionConfig) -> str | None:
     return None
 
 
-def call_unsupported(call: AttentionCall) -> str | None:
-    """Why the Triton path cannot take ``call`` (None if it can)."""
+def call_unsupported(call) -> str | None:
+    """Why the Triton path cannot take ``call`` (a :class:`quantpatch.dispatch.AttentionCall`; None if it can)."""
     q, k, v, cfg = call.q, call.k, call.v, call.config
     fp8 = cfg.qk_format in FP8_OPERANDS or cfg.pv_format in FP8_OPERANDS
     reason = cuda_unsupported(q, (8, 9), "FP8 operands") if fp8 else cuda_unsupported(q, (8, 0), "INT8 operands")
@@ -348,7 +349,10 @@ def head_chunks(cfg: AttentionConfig, b: int, h: int, hkv: int, nq: int, nk: int
     return [(i, i + 1, j, min(j + step, h)) for i in range(b) for j in range(0, h, step)]
 
 
-def _run(call: AttentionCall):
+def run(call):
+    """The kernels on ``call`` (an ``AttentionCall`` that :func:`call_unsupported` accepts): ``o``, or ``(o, lse)``
+    where it asks for the LSE; smooth-Q calls whose ΔS would overflow 32-bit TMA coordinates in
+    :func:`head_chunks` slices."""
     q, k, v = call.q, call.k, call.v
     rep = q.shape[1] // k.shape[1]
     chunks = head_chunks(call.config, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
@@ -368,10 +372,6 @@ def _run(call: AttentionCall):
     return (o, lse) if call.return_lse else o
 
 
-IMPLEMENTATION = Implementation("triton", 10, call_unsupported, _run)
-for _numerics in ("sage2", "int8_flash", "fireq", "turbo"):
-    register(_numerics, IMPLEMENTATION)
-
 # last: the Gluon module needs Triton 3.6's triton.experimental.gluon
 try:
     from . import attn_gluon as _attn_gluon
@@ -386,4 +386,4 @@ ATTENTION_GLUON = GluonGate("sage2 / int8-flash attention (head_dim 128)", "the 
 PREFILL_PLANS = (qk_quant_triton._STATS_LAUNCH, qk_quant_triton._DELTA_S_LAUNCH, qk_quant_triton._KV_LAUNCH,
                  _attn_triton._ATTN_LAUNCH) + (() if _attn_gluon is None else (_attn_gluon._LAUNCH, _attn_sm90._LAUNCH))
 
-__all__ = ["IMPLEMENTATION", "call_unsupported", "config_unsupported", "quantized_attention"]
+__all__ = ["NUMERICS", "call_unsupported", "config_unsupported", "quantized_attention", "run"]

@@ -7,9 +7,11 @@ where the kernel fails to compile (another Triton's Gluon API), with one warning
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from quantpatch.fallback import logger
+logger = logging.getLogger("quantpatch")
 
 
 def gluon_reason(capability: tuple[int, int] | None, import_error: str | None) -> str | None:

@@ -54,7 +54,7 @@ from .attn_qk_int8_pv_fp8_triton import LOG2E, SAS_THRESHOLD
 from .compiled_launch import LaunchPlans, cdiv, next_pow2
 from .gluon_compat import async_load, cta_barrier
 from .sas_ref import POLY_COEFFS
-from .turbo_decode_triton import default_num_splits as _triton_default_splits  # (defined before it imports this)
+from .turbo_decode_splits import split_count
 
 HEAD_DIM = 128
 BITS = 4
@@ -731,9 +731,9 @@ def group_unsupported(group: int, nq: int, d: int, k_bits: int, v_bits: int, n_b
 
 
 def default_num_splits(batch: int, kv_heads: int, n_blocks: int, device: torch.device) -> int:
-    """Splits of the key blocks: the Triton kernel's rule (``turbo_decode_triton.default_num_splits``: one wave, at
-    least 4 blocks a split) with ``PROGRAMS_PER_SM`` one-warp programs per SM, at most ``MAX_SPLITS``."""
-    return min(_triton_default_splits(batch, kv_heads, n_blocks, device, programs_per_sm=PROGRAMS_PER_SM), MAX_SPLITS)
+    """Splits of the key blocks: the Triton kernel's rule (:func:`~quantpatch.kernels.turbo_decode_splits.split_count`:
+    one wave, at least 4 blocks a split) with ``PROGRAMS_PER_SM`` one-warp programs per SM, at most ``MAX_SPLITS``."""
+    return min(split_count(batch, kv_heads, n_blocks, device, PROGRAMS_PER_SM), MAX_SPLITS)
 
 
 _PLANS = LaunchPlans(_turbo_decode_gluon)  # later calls of a shape go to the compiled kernel's launcher

@@ -75,13 +75,13 @@ from .compiled_launch import next_pow2, stream_key
 from .gluon_gate import GluonGate
 from .qk_quant_triton import _rne
 from .turbo_compress_triton import KERNEL_BITS, bit_groups
+from .turbo_decode_splits import split_count
 from .turbo_ref import CompressedKV, Int8Buffer, decode_attention_config
 
 HEAD_DIMS = (64, 128)
 MAX_Q_LEN = 16
 MAX_ROWS = 128  # G_PAD · NQ_PAD rows of one program
 PROGRAMS_PER_SM = 8  # split the sequence until the grid has at most this many programs per SM (whole waves)
-MIN_BLOCKS_PER_SPLIT = 4  # ≥ 256 keys per split: the partial (m, ℓ, acc) written stays small next to the codes read
 NUM_WARPS, NUM_STAGES = 2, 1  # launch of the decode kernel (picked by B=8, N=32k sweeps on an H200)
 MAXNREG = None  # register cap of the decode kernel (None: the compiler's choice)
 SUBNORMAL_CODES = True  # 4-bit codes enter the fp16 dots as subnormals (code · 2⁻²⁴); False: as 1024 + code
@@ -464,25 +464,15 @@ def _lanes(group: int, nq: int, direct: bool) -> int:
     return 1 if direct else max(1, 16 // (next_pow2(group) * next_pow2(nq)))
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @functools.lru_cache(maxsize=256)
 def _meta_tensor(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-def default_num_splits(batch: int, kv_heads: int, n_blocks: int, device: torch.device, *,
-                       programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Splits of the key blocks: at most ``programs_per_sm`` programs per SM (rounded down: at 255 registers and
-    2 warps 4 programs fit an SM, so a grid just over a whole number of waves pays a nearly idle extra wave; the
-    H200 measured 0.35 ms at 9 splits against 0.21 ms at 8, B=8 / N=32k), ≥ ``MIN_BLOCKS_PER_SPLIT`` blocks each.
-    ``programs_per_sm``: the Gluon kernel's own (``turbo_decode_gluon.default_num_splits``)."""
-    sms = _sm_count(device) if device.type == "cuda" else 1
-    want = programs_per_sm * sms // max(batch * kv_heads, 1)
-    return max(1, min(want, n_blocks // MIN_BLOCKS_PER_SPLIT))
+def default_num_splits(batch: int, kv_heads: int, n_blocks: int, device: torch.device) -> int:
+    """Splits of the key blocks: :func:`~quantpatch.kernels.turbo_decode_splits.split_count` with
+    ``PROGRAMS_PER_SM`` programs per SM."""
+    return split_count(batch, kv_heads, n_blocks, device, PROGRAMS_PER_SM)
 
 
 @functools.lru_cache(maxsize=1)

@@ -9,7 +9,7 @@ taken as ``σ · 2⁹``: powers of two, so every product and partial is that of 
 
 Design (swap AB, ``yᵀ = ŵ x̂ᵀ``; a program is 128 output channels × ``BT`` tokens, warp-specialized)::
 
-    x̂ in fragment order ([M, K] e4m3, :func:`~quantpatch.kernels.w4a8_triton.fragment_slots`)
+    x̂ in fragment order ([M, K] e4m3, :func:`~quantpatch.kernels.w4a8_act_quant_triton.fragment_slots`)
     producer warp   TMA [BT, 128] tiles of x̂ into a ring of STAGES shared buffers (a "ready" mbarrier each, the
                     TMA's byte count) once both consumers released the buffer (an "empty" mbarrier, two arrivals)
     two consumer warpgroups, 64 output channels each, per group g:
@@ -41,6 +41,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .compiled_launch import cdiv
 from .gluon_compat import tma_load
+from .w4a8_act_quant_triton import quantize_activation_fp8
 from .w4a8_gluon_operand import (
     GROUP,
     HALF,
@@ -53,8 +54,7 @@ from .w4a8_gluon_operand import (
     check_x_hat,
     weight_words,
 )
-from .w4a8_ref import GROUP_SIZE
-from .w4a8_triton import _check_operands, quantize_activation_fp8
+from .w4a8_ref import GROUP_SIZE, check_gemm_operands
 
 BLOCK_N = gl.constexpr(128)  # output channels per program: two consumer warpgroups'
 DEFAULT_BT = 128  # tokens per program (wgmma N)
@@ -189,7 +189,7 @@ def w4a8_gemm_prefill_gluon(
         ``y (M, N)`` in ``out_dtype``.
     """
     m, k = x_hat.shape
-    _check_operands(m, k, qweight, scales)
+    check_gemm_operands(m, k, qweight, scales)
     check_x_hat(x_hat)
     if block_t % 8 or not 8 <= block_t <= 256 or stages < 1:
         raise ValueError(f"block_t must be a multiple of 8 in [8, 256] and stages ≥ 1, got {block_t}, {stages}")
@@ -210,8 +210,8 @@ def w4a8_gemm_prefill_gluon(
 def w4a8_linear_prefill_gluon(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pts_exp: torch.Tensor,
                               bias: torch.Tensor | None = None, **options) -> torch.Tensor:
     """The whole layer on ``x (M, K)`` (last dim contiguous) → ``y (M, N)`` in ``x``'s dtype: the quantization
-    (:func:`~quantpatch.kernels.w4a8_triton.quantize_activation_fp8`, fragment order), then
+    (:func:`~quantpatch.kernels.w4a8_act_quant_triton.quantize_activation_fp8`, fragment order), then
     :func:`w4a8_gemm_prefill_gluon` (``options``: its keywords)."""
-    _check_operands(x.shape[0], x.shape[1], qweight, scales)
+    check_gemm_operands(x.shape[0], x.shape[1], qweight, scales)
     x_hat, beta = quantize_activation_fp8(x, fragment_order=True)
     return w4a8_gemm_prefill_gluon(x_hat, beta, qweight, scales, pts_exp, bias, x.dtype, **options)

@@ -255,3 +255,14 @@ def weight_nbytes(out_features: int, in_features: int, group_size: int = GROUP_S
     """Bytes of a packed weight: ``O · Kp/2`` INT4 bytes plus ``O · G`` e4m3 scales."""
     kp = -(-in_features // group_size) * group_size
     return out_features * kp // 2 + out_features * (kp // group_size)
+
+
+def check_gemm_operands(m: int, k: int, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+    """Raise unless ``x (M, K)``, ``qweight (N, K/2)`` (last dim contiguous) and ``scales (N, K/128)`` form a W4A8
+    product (the kernels' shapes: K a multiple of ``GROUP_SIZE``)."""
+    n = qweight.shape[0]
+    if k % GROUP_SIZE or qweight.shape[1] * 2 != k or scales.shape != (n, k // GROUP_SIZE):
+        raise ValueError(f"shapes x ({m}, {k}), qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)} "
+                         f"do not form a K={k} (multiple of {GROUP_SIZE}) W4A8 product")
+    if qweight.stride(-1) != 1:
+        raise ValueError("qweight needs a contiguous last dim")

@@ -4,12 +4,9 @@ Three kernels behind one ``torch.library.custom_op``, ``quantpatch::w4a8_linear`
 with ``register_fake``; launched on the current stream), reproducing :mod:`quantpatch.kernels.w4a8_ref`
 (``weight_operand="group"``):
 
-* activation quantization (:func:`quantize_activation_fp8`), one program per token:
-  ``a = max_k |x|``, ``β = bf16(a / 448)`` (1 if 0), ``x̂ = e4m3(x / β)`` saturating.
-  Bit-exact with :func:`~quantpatch.kernels.w4a8_ref.quantize_activation_fp8` computing in
-  float32: an IEEE division (``div_rn``), round-half-even to bf16 by integer arithmetic (the
-  interpreter's own cast truncates), and the shared saturating e4m3 cast of
-  :mod:`~quantpatch.kernels.qk_quant_triton`. A row of up to ``ACT_BLOCK_K`` is read once.
+* activation quantization (:func:`~quantpatch.kernels.w4a8_act_quant_triton.quantize_activation_fp8`, shared with
+  the Gluon kernels), one program per token: ``a = max_k |x|``, ``β = bf16(a / 448)`` (1 if 0),
+  ``x̂ = e4m3(x / β)`` saturating, bit-exact with :func:`~quantpatch.kernels.w4a8_ref.quantize_activation_fp8`.
 * the GEMM (:func:`w4a8_gemm`)::
 
       P_g  = x̂[:, g] · ŵ[:, g]ᵀ        one dot per 128-group g, fp32 accumulator
@@ -44,134 +41,18 @@ accumulates in fp32.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from quantpatch.dispatch import cuda_unsupported
-from quantpatch.fallback import fall_back, note_implementation
-from quantpatch.w4a8_linear import register_w4a8_fast_path
-
 from .compiled_launch import cdiv, interpreting, next_pow2, stream_key
+from .device import cuda_unsupported
 from .gluon_gate import GluonGate
-from .qk_quant_triton import _to_fp8e4m3
-from .w4a8_ref import GROUP_SIZE
-
-ACT_BLOCK_K = 16384  # activation-quantization chunk along K: a row up to this long is read once
-# ... except rows longer than 2 · LONG_ROW_CHUNK of more than DECODE_BLOCK_M tokens: chunks of LONG_ROW_CHUNK, 8 warps,
-# the row read twice (H200, 4096 tokens × 14336: 68 µs against 152 µs in one 16384-wide chunk)
-LONG_ROW_CHUNK = 2048
-
-
-# --------------------------------------------------------------------------- activation quantization
-
-
-@triton.jit
-def _bf16_rne(x):
-    """Round positive finite fp32 ``x`` to the nearest bf16 (ties to even), returned as fp32."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 = 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _store_x_hat(q_ptr, offs, xq, mask, FRAGMENT: tl.constexpr):
-    """``xq`` (channels ``offs``, a block of whole 128-groups where FRAGMENT) stored in channel order, or with each
-    group in fragment order (:func:`fragment_slots`): channel ``32q + 8s + 2j + h`` at ``32s + 16h + 4q + j``,
-    reordered in registers so the stores stay contiguous."""
-    if FRAGMENT:
-        n: tl.constexpr = xq.shape[0]
-        xq = tl.reshape(tl.permute(tl.reshape(xq, [n // 128, 4, 4, 4, 2]), (0, 2, 4, 1, 3)), [n])
-    tl.store(q_ptr + offs, xq, mask=mask)
-
-
-@triton.jit
-def _quantize_row(x_row, q_row, s_ptr, K, BLOCK_K: tl.constexpr, FRAGMENT: tl.constexpr, EMULATE: tl.constexpr):
-    """One token: ``β = bf16(max|x| / 448)`` (1 if 0), ``x̂ = e4m3(x / β)`` (saturating, RNE), stored in channel
-    order or, ``FRAGMENT``, in fragment order (:func:`_store_x_hat`).
-
-    A row of ``K ≤ BLOCK_K`` is loaded once and quantized from registers; a longer one in two passes.
-    """
-    offs = tl.arange(0, BLOCK_K)
-    x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-    amax = tl.abs(x)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        amax = tl.maximum(amax, tl.abs(tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)))
-    beta = tl.math.div_rn(tl.max(amax, 0), 448.0)  # e4m3 max
-    beta = tl.where(beta == 0.0, 1.0, beta)  # symmetric_scale: an all-zero token gets 1
-    beta = _bf16_rne(beta)
-    beta = tl.where(beta == 0.0, 1.0, beta)  # bf16 underflow (absmax < ~1e-36)
-    _store_x_hat(q_row, offs, _to_fp8e4m3(tl.math.div_rn(x, beta), EMULATE), offs < K, FRAGMENT)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        mask = k0 + offs < K
-        x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        _store_x_hat(q_row + k0, offs, _to_fp8e4m3(tl.math.div_rn(x, beta), EMULATE), mask, FRAGMENT)
-    tl.store(s_ptr, beta.to(tl.bfloat16))  # exact: beta is on the bf16 grid
-
-
-@triton.jit
-def _w4a8_quantize_activation_kernel(
-    X_ptr, XQ_ptr, S_ptr,
-    K, stride_xm, stride_qm,
-    BLOCK_K: tl.constexpr, FRAGMENT: tl.constexpr, EMULATE: tl.constexpr,
-):
-    """Token ``m = program_id``: :func:`_quantize_row`."""
-    m = tl.program_id(0).to(tl.int64)
-    _quantize_row(X_ptr + m * stride_xm, XQ_ptr + m * stride_qm, S_ptr + m, K, BLOCK_K, FRAGMENT, EMULATE)
-
-
-def quantize_activation_fp8(x: torch.Tensor, *, fragment_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token FP8 quantization of ``x (M, K)`` (fp16/bf16/fp32, last dim contiguous).
-
-    Args:
-        x: the activations.
-        fragment_order: store each 128-group's channels in fragment order (:func:`to_fragment_order`: what the
-            Gluon prefill GEMM reads); K must then be a multiple of 128.
-
-    Returns:
-        ``x̂ float8_e4m3fn (M, K)`` and ``β bfloat16 (M,)`` with ``x ≈ β x̂``; the numerics of
-        :func:`quantpatch.kernels.w4a8_ref.quantize_activation_fp8` (float32) bit for bit.
-    """
-    if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"x must be 2-D (M, K) with a contiguous last dim, got shape {tuple(x.shape)}")
-    m, k = x.shape
-    if fragment_order and k % GROUP_SIZE:
-        raise ValueError(f"fragment order needs K a multiple of {GROUP_SIZE}, got {k}")
-    x_hat = torch.empty((m, k), device=x.device, dtype=torch.float8_e4m3fn)
-    beta = torch.empty((m,), device=x.device, dtype=torch.bfloat16)
-    if m:
-        block_k = min(ACT_BLOCK_K, next_pow2(max(k, GROUP_SIZE if fragment_order else 16)))
-        warps = max(1, min(16, block_k // 512))
-        if m > DECODE_BLOCK_M and k > 2 * LONG_ROW_CHUNK:
-            block_k, warps = LONG_ROW_CHUNK, 8
-        _w4a8_quantize_activation_kernel[(m,)](
-            x, x_hat, beta, k, x.stride(0), x_hat.stride(0), BLOCK_K=block_k, FRAGMENT=fragment_order,
-            EMULATE=interpreting(), num_warps=warps,
-        )
-    return x_hat, beta
-
-
-def fragment_slots() -> torch.Tensor:
-    """``int64 (128,)``: the input channel each slot of a 128-group holds in fragment order.
-
-    Fragment order puts channel ``c = 32q + 8s + 2j + h`` of a group at slot ``32s + 16h + 4q + j``: the
-    channels whose INT4 nibbles sit in packed bytes ``16q … 16q + 15`` (one 16-byte load of a thread of quad
-    lane ``q``) land where wgmma's 8-bit A fragment wants them (k32 step ``s``: low nibbles at ``4q + j``, high
-    nibbles at ``16 + 4q + j``), so the weights go from one load to the tensor core with no data movement.
-    """
-    slot = torch.arange(GROUP_SIZE)
-    s, h, q, j = slot >> 5, (slot >> 4) & 1, (slot >> 2) & 3, slot & 3
-    return 32 * q + 8 * s + 2 * j + h
-
-
-def to_fragment_order(t: torch.Tensor) -> torch.Tensor:
-    """``t (..., K)`` (K a multiple of 128), each 128-group's channels in fragment order (:func:`fragment_slots`)."""
-    groups = t.shape[-1] // GROUP_SIZE
-    return t.reshape(*t.shape[:-1], groups, GROUP_SIZE)[..., fragment_slots().to(t.device)].reshape(t.shape)
-
+from .w4a8_act_quant_triton import DECODE_BLOCK_M, DECODE_QBLOCK, _quantize_row, quantize_activation_fp8
+from .w4a8_ref import GROUP_SIZE, check_gemm_operands
+from .w4a8_scratch import _scratch, _x_hat_scratch
 
 # --------------------------------------------------------------------------- GEMM
 
@@ -399,12 +280,8 @@ GEMM_CONFIGS = (
     (256, dict(kernel="tiled", block_m=128, block_n=64, swap=0, num_warps=4, num_stages=4)),
     (None, dict(kernel="tiled", block_m=128, block_n=64, swap=1, num_warps=4, num_stages=4)),
 )
-DECODE_BLOCK_M = 16  # the fp16 mma's row count: the decode kernel takes M ≤ 16
 MAX_SPLIT = 16  # split-K runs of the decode kernel (their partials are summed from registers)
-DECODE_QBLOCK = 4096  # the fused quantization's chunk along K (registers per producer program)
 COUNTERS = 2  # decode workspace counters ahead of the per-tile tickets: the quantization flag, the done count
-_SCRATCH: dict[tuple, object] = {}  # (stream key, name) → tensor (or views)
-_RETIRED: list[torch.Tensor] = []  # outgrown scratch: kept alive, a captured CUDA graph may still use its address
 
 
 def gemm_config(m: int, n: int, k: int) -> dict:
@@ -422,32 +299,9 @@ def decode_split(cfg: dict, n: int, groups: int) -> tuple[int, int]:
     return cdiv(groups, gps), gps
 
 
-def _scratch(key: tuple, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Scratch memory of the current stream (``key``), at least ``numel`` long; counters start (and end) at 0.
-
-    One set per (device, stream): launches on one stream run one after the other and can share it;
-    launches on two streams may overlap and must not.
-    """
-    buf = _SCRATCH.get((key, name))
-    if buf is None or buf.numel() < numel:
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = _SCRATCH[(key, name)] = torch.zeros(max(numel, 4096), dtype=dtype, device=device)
-    return buf
-
-
 def _semaphores(device: torch.device, count: int) -> torch.Tensor:
     """The decode kernel's int32 counters for the current stream: 0 between launches."""
     return _scratch(stream_key(device), "counters", count, torch.int32, device)
-
-
-def _x_hat_scratch(key: tuple, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused quantization's ``x̂`` scratch as e4m3 (written) and as int16 pairs (read), views made once."""
-    views = _SCRATCH.get((key, "x_hat_views"))
-    if views is None or views[0].numel() < numel:
-        raw = _scratch(key, "x_hat", -(-numel // 2) * 2, torch.uint8, device)
-        views = _SCRATCH[(key, "x_hat_views")] = (raw.view(torch.float8_e4m3fn), raw.view(torch.int16))
-    return views
 
 
 def _launch_decode(x, x_hat, beta, qweight, scales, pts_exp, bias, y, cfg: dict) -> None:
@@ -493,15 +347,6 @@ def _launch_tiled(x_hat, beta, qweight, scales, pts_exp, bias, y, cfg: dict) -> 
     )
 
 
-def _check_operands(m: int, k: int, qweight: torch.Tensor, scales: torch.Tensor) -> None:
-    n = qweight.shape[0]
-    if k % GROUP_SIZE or qweight.shape[1] * 2 != k or scales.shape != (n, k // GROUP_SIZE):
-        raise ValueError(f"shapes x ({m}, {k}), qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)} "
-                         f"do not form a K={k} (multiple of {GROUP_SIZE}) W4A8 product")
-    if qweight.stride(-1) != 1:
-        raise ValueError("qweight needs a contiguous last dim")
-
-
 def w4a8_gemm(
     x_hat: torch.Tensor,
     x_scale: torch.Tensor,
@@ -529,7 +374,7 @@ def w4a8_gemm(
         ``y (M, N)`` in ``out_dtype``.
     """
     m, k = x_hat.shape
-    _check_operands(m, k, qweight, scales)
+    check_gemm_operands(m, k, qweight, scales)
     if x_hat.stride(-1) != 1:
         raise ValueError("x_hat needs a contiguous last dim")
     cfg = gemm_config(m, qweight.shape[0], k) if config is None else config
@@ -564,7 +409,7 @@ def w4a8_linear_2d(
             return _prefill.w4a8_linear_prefill_gluon(x, qweight, scales, pts_exp, bias)
         except triton.CompilationError as err:  # a Triton whose Gluon API differs: warn once, Triton serves
             gate.close(x.device, err)
-    _check_operands(m, k, qweight, scales)
+    check_gemm_operands(m, k, qweight, scales)
     cfg = gemm_config(m, n, k) if config is None else config
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if m == 0 or n == 0:
@@ -631,7 +476,7 @@ def uses_gluon(m: int, n: int, k: int, device: torch.device) -> bool:
     return _gluon_gate(m, n, k).unsupported(device) is None
 
 
-# --------------------------------------------------------------------------- W4A8Linear fast path
+# --------------------------------------------------------------------------- W4A8Linear fast path (its gates)
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -661,30 +506,7 @@ def layer_unsupported(x: torch.Tensor, module) -> str | None:
     return None
 
 
-def _accepts(x: torch.Tensor, module) -> bool:
-    """The kernels' gate: silent where the device cannot run them (the reference is that device's path),
-    one warning per reason where a capable device gets a layer they do not take."""
-    if device_unsupported(x) is not None:
-        return False
-    reason = layer_unsupported(x, module)
-    if reason is not None:
-        fall_back(f"W4A8Linear({module.in_features}->{module.out_features})", reason, strict=False,
-                  to="the PyTorch reference")
-        return False
-    return True
-
-
-def _run(x: torch.Tensor, module) -> torch.Tensor:
-    y = w4a8_linear(x, module.qweight, module.scales, module.pts_exp, module.bias)
-    # asked after the call: a Gluon kernel that failed to compile has switched this device to Triton
-    gluon = uses_gluon(math.prod(x.shape[:-1]), module.out_features, module.in_features, x.device)
-    note_implementation("gluon" if gluon else "triton")
-    return y
-
-
-register_w4a8_fast_path("triton", _accepts, _run)
-
-# last: the Gluon modules import this one's helpers (and need Triton 3.6's triton.experimental.gluon)
+# the Gluon modules need Triton 3.6's triton.experimental.gluon
 try:
     from . import w4a8_gluon as _gluon
     from . import w4a8_prefill_gluon as _prefill

@@ -21,12 +21,15 @@ import torch
 
 from quantpatch.api import attention
 from quantpatch.config import AttentionConfig
-from quantpatch.convert import apply_online_crs, crs_buffers
+from quantpatch.crs import apply_online_crs, crs_buffers
 from quantpatch.dispatch import AttentionCall, sdpa_reason, speed_reason
 from quantpatch.fallback import SiteRecord, fall_back, note_sdpa_route, running_site
-from quantpatch.patches.transformers.turbo_cache import READS_TURBO_LAYERS, turbo_cache_attention, turbo_layer_for
-
-SITE_ATTR = "_quantpatch_site"
+from quantpatch.patches.transformers.turbo_cache import (
+    READS_TURBO_LAYERS,
+    SITE_ATTR,
+    turbo_cache_attention,
+    turbo_layer_for,
+)
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,8 @@ logger = logging.getLogger("quantpatch")
 
 # Attribute an AttentionInterface function sets to say it reads TurboLayers directly.
 READS_TURBO_LAYERS = "_quantpatch_reads_turbo_layers"
+# Attribute of a patched module holding its AttentionSite (defined here: attention.py imports this module).
+SITE_ATTR = "_quantpatch_site"
 BUFFER_HEADROOM = 1.25  # universal buffer scale = headroom × the prompt's absmax (see the module docstring)
 # The TurboCache whose update ran last in this context (weakly held), for the attention function.
 _ACTIVE_CACHE: contextvars.ContextVar[weakref.ref | None] = contextvars.ContextVar("quantpatch_turbo", default=None)
@@ -407,10 +409,7 @@ class KVMemory:
 
 def _reads_directly(module: Any) -> bool:
     """Whether ``module``'s attention is quantpatch's, in a ``turbo`` configuration, and active."""
-    # Imported here: attention.py imports this module (for the attention hook).
     from transformers import AttentionInterface
-
-    from quantpatch.patches.transformers.attention import SITE_ATTR
 
     site = getattr(module, SITE_ATTR, None)
     if site is None or site.config is None or site.config.numerics != "turbo":

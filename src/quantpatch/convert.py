@@ -23,8 +23,8 @@ FireQ (Baek et al. 2025), per decoder block, in this order:
    ``q·k`` is unchanged.
 3. **CRS** (§3.2.1 Stage 2): the ``crs_pairs`` (8) pairs with the largest post-RoPE channel
    absmax per KV head; each of their channels gets ``t = β · max_n |k_c|``, applied online
-   after RoPE (``q · t``, ``k / t``, :func:`apply_online_crs`). Stored as buffers on the
-   attention module (:data:`CRS_FACTORS` ``(Hkv, D)`` float32, :data:`CRS_PAIRS` ``(Hkv, P)`` int64).
+   after RoPE (``q · t``, ``k / t``, :func:`~quantpatch.crs.apply_online_crs`). Stored as buffers on the
+   attention module (:mod:`quantpatch.crs`: ``CRS_FACTORS`` ``(Hkv, D)`` float32, ``CRS_PAIRS`` ``(Hkv, P)`` int64).
 4. **PTS + quantization**: every selected decoder linear becomes a
    :class:`~quantpatch.w4a8_linear.W4A8Linear`; PTS (Definition 3.2) is chosen per weight
    after CAS/RPN. The LM head and embeddings are never touched.
@@ -50,6 +50,7 @@ from torch import nn
 
 from quantpatch.calibration import CalibrationStats, LayerSites, architecture_hash, calibration_key, decoder_layers
 from quantpatch.config import ModeConfig
+from quantpatch.crs import CRS_FACTORS, CRS_PAIRS, add_crs_buffers, apply_online_crs
 from quantpatch.kernels.fireq_ref import crs_factors, select_crs_pairs
 from quantpatch.modes import get_mode
 from quantpatch.w4a8_linear import W4A8Linear
@@ -57,8 +58,6 @@ from quantpatch.w4a8_linear import W4A8Linear
 logger = logging.getLogger("quantpatch")
 
 STATE_ATTR = "_quantpatch_state"
-CRS_FACTORS = "quantpatch_crs_factors"
-CRS_PAIRS = "quantpatch_crs_pairs"
 CAS_SITES = ("qkv", "o", "gate_up", "down")
 
 
@@ -232,24 +231,6 @@ def merge_rpn(site: LayerSites, modules: dict[str, nn.Module], s: torch.Tensor) 
 # --------------------------------------------------------------------------- online attention side
 
 
-def crs_buffers(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(factors (Hkv, D), pairs (Hkv, P))`` stored on an attention module by ``convert``, or None."""
-    t = getattr(module, CRS_FACTORS, None)
-    return None if t is None else (t, getattr(module, CRS_PAIRS))
-
-
-def apply_online_crs(q: torch.Tensor, k: torch.Tensor, factors: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Post-RoPE CRS: ``(q · t, k / t)`` with ``t (Hkv, D)`` (GQA: query head ``h`` uses KV head ``h // G``)."""
-    if factors is None:
-        return q, k
-    from quantpatch.kernels.fireq_ref import apply_crs
-
-    dtype = torch.promote_types(q.dtype, torch.float32)  # at least float32 for the scaling
-    q2, k2 = apply_crs(q.to(dtype), k.to(dtype), factors.to(device=q.device, dtype=dtype))
-    return q2.to(q.dtype), k2.to(k.dtype)
-
-
 def fireq_attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -302,12 +283,6 @@ def _selected(name: str, include, exclude) -> bool:
 def _set_module(model: nn.Module, fqn: str, new: nn.Module) -> None:
     parent, _, child = fqn.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, new)
-
-
-def add_crs_buffers(module: nn.Module, num_kv_heads: int, head_dim: int, n_pairs: int, device=None) -> None:
-    """Register empty CRS buffers on an attention module (``load`` fills them)."""
-    module.register_buffer(CRS_FACTORS, torch.ones(num_kv_heads, head_dim, dtype=torch.float32, device=device))
-    module.register_buffer(CRS_PAIRS, torch.zeros(num_kv_heads, n_pairs, dtype=torch.long, device=device))
 
 
 def _convert_fireq(model: nn.Module, stats: CalibrationStats | None, config: ModeConfig, *, quantize: bool,

@@ -4,13 +4,15 @@ Implementations register per numerics family with a priority and an ``unsupporte
 (returns why it cannot take a call, or ``None``). :func:`select` returns the best that
 accepts the call, plus the reasons of those that declined; the caller falls back to SDPA
 when none accepts. The pure-PyTorch reference is registered here for every quantized
-numerics; GPU kernels register themselves from ``quantpatch.kernels`` when CUDA is usable.
+numerics; the GPU kernels when :func:`load_kernels` imports them (kernels never import this layer: the
+API side registers what a kernel module exposes).
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -58,35 +60,45 @@ def implementations(numerics: str) -> list[Implementation]:
 
 
 _kernels_tried: set[str] = set()
+_ON_IMPORT: dict[str, Callable[[ModuleType], None]] = {}
+
+
+def on_kernels_import(module: str, register: Callable[[ModuleType], None]) -> None:
+    """Have :func:`load_kernels` pass the kernel module ``module`` to ``register`` when it imports it: how an API
+    module registers kernels with its own dispatch point (``quantpatch.w4a8_linear`` does at its import)."""
+    _ON_IMPORT[module] = register
 
 
 def load_kernels(module: str) -> None:
-    """Import a GPU kernel module once (on the first CUDA call): it registers itself where it serves."""
+    """Import a GPU kernel module once (from ``patch_model``, else on the first CUDA call) and register it where it
+    serves (:func:`on_kernels_import`)."""
     if module in _kernels_tried:
         return
     _kernels_tried.add(module)
     try:
-        importlib.import_module(module)
+        kernels = importlib.import_module(module)
     except ImportError as err:  # Triton missing or too old: the reference serves every call
         logger.warning("quantpatch GPU kernels %s unavailable (%s); using the PyTorch reference", module, err)
+        return
+    register = _ON_IMPORT.get(module)
+    if register is not None:
+        register(kernels)
 
 
-def cuda_unsupported(t: torch.Tensor, min_capability: tuple[int, int], needs: str) -> str | None:
-    """Why ``t``'s device cannot run a kernel whose ``needs`` ask for ``min_capability`` (None if it can)."""
-    if not t.is_cuda:
-        return "inputs are not CUDA tensors"
-    if torch.version.hip is not None:
-        return "ROCm is not supported by these kernels"
-    cap = torch.cuda.get_device_capability(t.device)
-    if cap < min_capability:
-        return f"{needs} need compute capability >= {min_capability[0]}.{min_capability[1]}, got {cap[0]}.{cap[1]}"
-    return None
-
-
-FAST_PATHS_MODULE = "quantpatch.kernels.fast_paths"  # the attention kernels: they register themselves here
-W4A8_KERNELS_MODULE = "quantpatch.kernels.w4a8_triton"  # registers with quantpatch.w4a8_linear
+FAST_PATHS_MODULE = "quantpatch.kernels.fast_paths"  # the attention kernels (registered below)
+W4A8_KERNELS_MODULE = "quantpatch.kernels.w4a8_triton"  # registered by quantpatch.w4a8_linear
 # TurboCache's compression and decode kernels (patches/transformers/turbo_cache.py imports them by name per call)
 TURBO_KERNELS_MODULES = ("quantpatch.kernels.turbo_compress_triton", "quantpatch.kernels.turbo_decode_triton")
+
+
+def _register_attention_kernels(kernels: ModuleType) -> None:
+    """The attention kernels as one implementation of every numerics family they compute."""
+    impl = Implementation("triton", 10, kernels.call_unsupported, kernels.run)
+    for numerics in kernels.NUMERICS:
+        register(numerics, impl)
+
+
+on_kernels_import(FAST_PATHS_MODULE, _register_attention_kernels)
 
 
 def preload_kernels() -> None:
@@ -97,6 +109,7 @@ def preload_kernels() -> None:
     compiled without the kernels.
     """
     if torch.cuda.is_available():
+        crossover_lookup()
         for module in (FAST_PATHS_MODULE, W4A8_KERNELS_MODULE, *TURBO_KERNELS_MODULES):
             load_kernels(module)
 
@@ -125,7 +138,6 @@ def check_policy(policy: str) -> str:
     return policy
 
 
-@torch.compiler.assume_constant_result  # a table lookup: a constant to torch.compile, no graph break
 def _crossover(device_index: int, key: str, head_dim: int, is_causal: bool) -> tuple[float, str]:
     """The crossover length of (device, :func:`routing.speed_key`, head dim, causal) and the reason SDPA runs below it,
     looked up once and cached."""
@@ -158,8 +170,20 @@ def speed_reason(cfg: AttentionConfig, device: torch.device, head_dim: int, nq: 
         return "SDPA is faster than the PyTorch reference off the GPU"
     from quantpatch.routing import speed_key
 
-    length, why = _crossover(device.index or 0, speed_key(cfg), head_dim, is_causal)
+    length, why = crossover_lookup()(device.index or 0, speed_key(cfg), head_dim, is_causal)
     return why if nq < length or nk < length else None
+
+
+_TRACEABLE: list = []
+
+
+def crossover_lookup():
+    """The table lookup as a constant to ``torch.compile`` (``assume_constant_result``: no graph break), made on the
+    first CUDA call or by :func:`preload_kernels`, not at import: the decorator imports ``torch._dynamo`` (and
+    Triton), which ``import quantpatch`` must not."""
+    if not _TRACEABLE:
+        _TRACEABLE.append(torch.compiler.assume_constant_result(_crossover))
+    return _TRACEABLE[0]
 
 
 def sdpa_reason(call: AttentionCall) -> str | None:

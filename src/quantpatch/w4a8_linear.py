@@ -7,18 +7,21 @@ and an optional ``bias (O,)``. Numerics and layout: :mod:`quantpatch.kernels.w4a
 ``forward`` goes through :func:`w4a8_matmul`, the one dispatch point: a registered fast path
 for the inputs it accepts, else the pure-PyTorch reference computing in float32 (FireQ's
 accumulator precision). The Triton kernels (:mod:`quantpatch.kernels.w4a8_triton`, FP8 dots:
-sm_89+) are imported on the first CUDA input and register themselves; on other devices the
+sm_89+) are imported on the first CUDA input (or by ``patch_model``) and registered here; on other devices the
 reference is the path, and shapes the kernels do not take fall back to it with one warning.
 """
 
 from __future__ import annotations
 
+import math
+from types import ModuleType
 from typing import Callable
 
 import torch
 from torch import nn
 
-from quantpatch.dispatch import W4A8_KERNELS_MODULE, load_kernels
+from quantpatch.dispatch import W4A8_KERNELS_MODULE, load_kernels, on_kernels_import
+from quantpatch.fallback import fall_back, note_implementation
 from quantpatch.kernels.w4a8_ref import (
     GROUP_SIZE,
     WEIGHT_OPERANDS,
@@ -40,9 +43,37 @@ def register_w4a8_fast_path(name: str, accepts: Callable, run: Callable) -> None
     _FAST_PATHS.insert(0, (name, accepts, run))
 
 
+def _register_kernels(kernels: ModuleType) -> None:
+    """The Triton kernels (:mod:`quantpatch.kernels.w4a8_triton`) as the ``"triton"`` fast path."""
+
+    def accepts(x: torch.Tensor, module: W4A8Linear) -> bool:
+        """Silent where the device cannot run the kernels (the reference is that device's path), one warning per
+        reason where a capable device gets a layer they do not take."""
+        if kernels.device_unsupported(x) is not None:
+            return False
+        reason = kernels.layer_unsupported(x, module)
+        if reason is not None:
+            fall_back(f"W4A8Linear({module.in_features}->{module.out_features})", reason, strict=False,
+                      to="the PyTorch reference")
+            return False
+        return True
+
+    def run(x: torch.Tensor, module: W4A8Linear) -> torch.Tensor:
+        y = kernels.w4a8_linear(x, module.qweight, module.scales, module.pts_exp, module.bias)
+        # asked after the call: a Gluon kernel that failed to compile has switched this device to Triton
+        gluon = kernels.uses_gluon(math.prod(x.shape[:-1]), module.out_features, module.in_features, x.device)
+        note_implementation("gluon" if gluon else "triton")
+        return y
+
+    register_w4a8_fast_path("triton", accepts, run)
+
+
+on_kernels_import(W4A8_KERNELS_MODULE, _register_kernels)
+
+
 def w4a8_matmul(x: torch.Tensor, module: W4A8Linear) -> torch.Tensor:
     """``module``'s product on ``x (..., K)``: the first registered fast path that accepts it, else the reference."""
-    if x.is_cuda:  # the Triton kernels register themselves on import
+    if x.is_cuda:  # the Triton kernels are imported (and registered) once
         load_kernels(W4A8_KERNELS_MODULE)
     for _, accepts, run in _FAST_PATHS:
         if accepts(x, module):

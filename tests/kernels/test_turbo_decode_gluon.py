@@ -12,6 +12,7 @@ import logging
 import pytest
 import torch
 
+from quantpatch.kernels import turbo_decode_splits
 from quantpatch.kernels import turbo_decode_triton as tdt
 from quantpatch.kernels.attention_ref import attention_exact
 from quantpatch.kernels.turbo_ref import turbo_decode_attention_ref, turbo_decompress_kv_ref
@@ -43,11 +44,11 @@ def test_gluon_kernel_takes_decode_steps_of_4bit_d128_caches():
 
 
 def test_default_splits_fill_one_wave_of_one_warp_programs(monkeypatch):
-    monkeypatch.setattr(tdt, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(turbo_decode_splits, "_sm_count", lambda device: 132)
     dev = torch.device("cuda")
     assert tdg.default_num_splits(8, 8, 512, dev) == 8 * 132 // 64
     assert tdg.default_num_splits(1, 8, 512, dev) == tdg.MAX_SPLITS
-    assert tdg.default_num_splits(1, 8, 20, dev) == 20 // tdt.MIN_BLOCKS_PER_SPLIT
+    assert tdg.default_num_splits(1, 8, 20, dev) == 20 // turbo_decode_splits.MIN_BLOCKS_PER_SPLIT
     assert tdg.default_num_splits(64, 8, 512, dev) == 2
 
 

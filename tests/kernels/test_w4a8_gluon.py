@@ -9,6 +9,7 @@ selection logic is tested on the CPU in ``test_w4a8_triton.py``.
 import pytest
 import torch
 
+from quantpatch.kernels import w4a8_scratch
 from quantpatch.kernels.compiled_launch import stream_key
 from quantpatch.kernels.w4a8_ref import w4a8_linear_ref
 from tests.gpu import hopper, needs_cuda
@@ -37,10 +38,9 @@ def _check(m, n, k, *, seed, gps=None, gpc=None, pts=True, bias=True, dtype=torc
 def test_gpu_gluon_gemm_matches_reference(m, n, k, gps):
     """Every output within the reference's forward-error bound; split-K tickets back at 0; deterministic."""
     from quantpatch.kernels import w4a8_gluon as wg
-    from quantpatch.kernels import w4a8_triton as wt
 
     y, ops = _check(m, n, k, seed=m + n + k, gps=gps)
-    assert not wt._SCRATCH[(stream_key(y.device), "gluon_counters")].any()
+    assert not w4a8_scratch._SCRATCH[(stream_key(y.device), "gluon_counters")].any()
     assert torch.equal(wg.w4a8_gemm_gluon(*ops, torch.bfloat16, gps=gps), y)
 
 
@@ -87,8 +87,8 @@ def test_gpu_gluon_layer(m, n, k, dtype):
     if k <= wt.DECODE_QBLOCK:
         fused_hat = wt._x_hat_scratch(key, m * k, y.device)[0][: m * k]
         assert torch.equal(fused_hat.view(torch.uint8), x_hat.view(torch.uint8).flatten())
-        assert torch.equal(wt._SCRATCH[(key, "beta")][:m], beta)
-    assert not wt._SCRATCH[(key, "gluon_counters")].any()
+        assert torch.equal(w4a8_scratch._SCRATCH[(key, "beta")][:m], beta)
+    assert not w4a8_scratch._SCRATCH[(key, "gluon_counters")].any()
     assert torch.equal(wg.w4a8_linear_gluon(x, qw, sc, pe, b), y)
 
 
@@ -153,7 +153,6 @@ def test_gpu_gluon_launch_plans_follow_the_callers_layout_and_stream():
     alignment, with a longer row stride, and on a side stream, each called twice (first through
     ``JITFunction.run``, then the plan): the bits of the aligned contiguous call; every stream's counters at 0."""
     from quantpatch.kernels import w4a8_gluon as wg
-    from quantpatch.kernels import w4a8_triton as wt
 
     _, (qw, sc, pe, b) = _layer(512, 1024, seed=70)
     flat = _randn(1, 16 * 1032 + 1, seed=71).to(torch.bfloat16).cuda()
@@ -171,7 +170,7 @@ def test_gpu_gluon_launch_plans_follow_the_callers_layout_and_stream():
     assert all(torch.equal(y, ref) for y in ys)
     for stream in (torch.cuda.current_stream(), side):
         with torch.cuda.stream(stream):
-            assert not wt._SCRATCH[(stream_key(ref.device), "gluon_counters")].any()
+            assert not w4a8_scratch._SCRATCH[(stream_key(ref.device), "gluon_counters")].any()
 
 
 def test_weight_words_rejects_views_the_words_cannot_be_read_from():

@@ -11,7 +11,7 @@ magnitude. GPU only (Gluon has no interpreter), sm_90; the quantization runs eve
 import pytest
 import torch
 
-from quantpatch.kernels import w4a8_triton as wt
+from quantpatch.kernels import w4a8_act_quant_triton as wq
 from quantpatch.kernels.w4a8_ref import GROUP_SIZE
 from tests.gpu import DEVICE, hopper, needs_cuda
 from tests.kernels.test_w4a8_triton import _assert_within_bound, _layer, _randn
@@ -19,7 +19,7 @@ from tests.kernels.test_w4a8_triton import _assert_within_bound, _layer, _randn
 
 def test_fragment_slots_are_a_permutation_matching_the_kernels_formula():
     """Each slot holds one channel; the Triton formula (channel → slot) is the inverse of :func:`fragment_slots`."""
-    slots = wt.fragment_slots()
+    slots = wq.fragment_slots()
     assert sorted(slots.tolist()) == list(range(GROUP_SIZE))
     c = slots  # channel held by slot p, so c's slot is p
     q, s, j, h = (c >> 5) & 3, (c >> 3) & 3, (c >> 1) & 3, c & 1
@@ -30,10 +30,10 @@ def test_fragment_slots_are_a_permutation_matching_the_kernels_formula():
 def test_fragment_order_quantization_is_the_plain_one_reordered(m, k):
     """x̂ in fragment order: bit for bit the plain x̂ with each group's channels moved; β unchanged."""
     x = _randn(m, k, seed=m + k).to(torch.bfloat16).to(DEVICE)
-    x_hat, beta = wt.quantize_activation_fp8(x)
-    frag, frag_beta = wt.quantize_activation_fp8(x, fragment_order=True)
+    x_hat, beta = wq.quantize_activation_fp8(x)
+    frag, frag_beta = wq.quantize_activation_fp8(x, fragment_order=True)
     assert torch.equal(frag_beta, beta)
-    assert torch.equal(frag.view(torch.uint8), wt.to_fragment_order(x_hat).view(torch.uint8))
+    assert torch.equal(frag.view(torch.uint8), wq.to_fragment_order(x_hat).view(torch.uint8))
 
 
 def test_quantization_of_many_long_rows_in_chunks(monkeypatch):
@@ -41,12 +41,12 @@ def test_quantization_of_many_long_rows_in_chunks(monkeypatch):
     for bit the reference, in both orders."""
     from quantpatch.kernels.w4a8_ref import quantize_activation_fp8 as quantize_ref
 
-    monkeypatch.setattr(wt, "LONG_ROW_CHUNK", 128)
+    monkeypatch.setattr(wq, "LONG_ROW_CHUNK", 128)
     x = _randn(18, 640, seed=4, scale=2.0).to(torch.bfloat16)
     ref_hat, ref_beta = quantize_ref(x, compute_dtype=torch.float32)
     for fragment in (False, True):
-        x_hat, beta = wt.quantize_activation_fp8(x.to(DEVICE), fragment_order=fragment)
-        want = wt.to_fragment_order(ref_hat) if fragment else ref_hat
+        x_hat, beta = wq.quantize_activation_fp8(x.to(DEVICE), fragment_order=fragment)
+        want = wq.to_fragment_order(ref_hat) if fragment else ref_hat
         assert torch.equal(x_hat.cpu().float(), want) and torch.equal(beta.cpu().float(), ref_beta[:, 0])
 
 
@@ -64,7 +64,7 @@ def test_prefill_gemm_rejects_bad_tiles_before_any_launch(options):
 
 def test_fragment_order_needs_whole_groups():
     with pytest.raises(ValueError, match="multiple of 128"):
-        wt.quantize_activation_fp8(torch.zeros(2, 200), fragment_order=True)
+        wq.quantize_activation_fp8(torch.zeros(2, 200), fragment_order=True)
 
 
 def _check(m, n, k, *, seed, pts=True, bias=True, dtype=torch.bfloat16, **options):
@@ -72,7 +72,7 @@ def _check(m, n, k, *, seed, pts=True, bias=True, dtype=torch.bfloat16, **option
 
     packed, (qw, sc, pe, b) = _layer(n, k, seed=seed, pts=pts, bias=bias)
     x = _randn(m, k, seed=seed + 2).to(dtype)
-    x_hat, beta = wt.quantize_activation_fp8(x.cuda(), fragment_order=True)
+    x_hat, beta = wq.quantize_activation_fp8(x.cuda(), fragment_order=True)
     y = wp.w4a8_gemm_prefill_gluon(x_hat, beta, qw, sc, pe, b, dtype, **options)
     assert y.shape == (m, n) and y.dtype == dtype
     _assert_within_bound(y, x, packed, b, dtype)
@@ -119,7 +119,7 @@ def test_gpu_prefill_gemm_full_int4_range():
     scales = torch.full((n, k // GROUP_SIZE), 0.5).to(torch.float8_e4m3fn)
     packed = PackedWeight(codes, scales, 0, k, GROUP_SIZE)
     x = _randn(40, k, seed=9).float()
-    x_hat, beta = wt.quantize_activation_fp8(x.cuda(), fragment_order=True)
+    x_hat, beta = wq.quantize_activation_fp8(x.cuda(), fragment_order=True)
     pe = torch.zeros((), dtype=torch.int32, device="cuda")
     y = wp.w4a8_gemm_prefill_gluon(x_hat, beta, codes.cuda(), scales.cuda(), pe, None, torch.float32)
     _assert_within_bound(y, x, packed, None, torch.float32)

@@ -28,7 +28,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from quantpatch.dispatch import W4A8_KERNELS_MODULE, load_kernels
 from quantpatch.fallback import QuantpatchFallbackWarning, SiteRecord, reset_fallback_warnings, running_site
+from quantpatch.kernels import w4a8_act_quant_triton as wq
+from quantpatch.kernels import w4a8_scratch
 from quantpatch.kernels import w4a8_triton as wt
 from quantpatch.kernels.gluon_gate import gluon_reason
 from quantpatch.kernels.w4a8_ref import (
@@ -100,7 +103,7 @@ def _check_gemm(m, n, k, *, seed, dtype, pts=True, bias=True, config=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,k", [(1, 128), (5, 300), (3, 2500)])  # 2500 > the 1024 chunk: three chunks per pass
 def test_activation_quantization_bit_exact(dtype, m, k, monkeypatch):
-    monkeypatch.setattr(wt, "ACT_BLOCK_K", 1024)  # the long-row path (two passes) on a small row
+    monkeypatch.setattr(wq, "ACT_BLOCK_K", 1024)  # the long-row path (two passes) on a small row
     x = _randn(m, k, seed=m + k, scale=3.0)
     x[0, :7] = torch.tensor([1e4, -1e4, 0.3, -0.3, 1e-3, 448.0, -449.0])  # an outlier channel, saturation edge
     if m > 1:
@@ -151,7 +154,8 @@ def _decode_cfg(block_n=16, gps=2, fused=0, swap=0):
 
 
 def _counters_are_zero(device):
-    return not any(buf.any() for (key, name), buf in wt._SCRATCH.items() if name == "counters" and key[0] == device)
+    scratch = w4a8_scratch._SCRATCH.items()
+    return not any(buf.any() for (key, name), buf in scratch if name == "counters" and key[0] == device)
 
 
 @pytest.mark.parametrize("m", [1, 5, 16])
@@ -271,7 +275,9 @@ def test_custom_op_has_a_consistent_fake_kernel(m, dtype, bias):
 
 @pytest.fixture
 def kernels_on_this_device(monkeypatch):
-    """Let the Triton path take CPU tensors (it runs in the interpreter) so the dispatch is testable here."""
+    """Let the Triton path take CPU tensors (it runs in the interpreter) so the dispatch is testable here; registered
+    with ``W4A8Linear`` as a first CUDA input would."""
+    load_kernels(W4A8_KERNELS_MODULE)
     if not CUDA:
         monkeypatch.setattr(wt, "device_unsupported", lambda x: None)
     reset_fallback_warnings()

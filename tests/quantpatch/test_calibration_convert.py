@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from quantpatch.calibration import CalibrationStats, calibrate, calibration_key, decoder_layers
-from quantpatch.convert import CRS_FACTORS, CRS_PAIRS, FireQOptions, apply_online_crs, convert, crs_buffers
+from quantpatch.convert import FireQOptions, convert
+from quantpatch.crs import CRS_FACTORS, CRS_PAIRS, apply_online_crs, crs_buffers
 from quantpatch.fallback import UnsupportedError
 from quantpatch.metrics import cos_sim
 from quantpatch.modes import get_mode
