@@ -20,6 +20,13 @@ priority, calibrated on ``--calib``), ``mixed-inverse`` (the highest-priority he
         --kv-cache --calib ../shared/data/pydoc-calib.jsonl --modes off off:turbo4 turbo turbo:turbo4 turbo:mixed \
         turbo:mixed-random0 --out ppl_kv.json
 
+With ``--linear fp8`` every mode is scored a second time with FP8 linear layers
+(``patch_model(..., linear="fp8")``), in rows named ``MODE+fp8``; ``off+fp8`` keeps the attention
+unpatched and isolates the linears::
+
+    python eval/perplexity.py --model ../shared/models/pydoc-llama-21m --data ../shared/data/pydoc-val.jsonl \
+        --modes off --linear fp8
+
 With ``--lm-eval-windows`` the windows are those of lm-eval's ``loglikelihood_rolling`` (what
 ``eval/lm_eval_run.py``'s ``pydoc_perplexity`` task runs): each document on its own, tokenized as
 lm-eval's HFLM does (``tokenizer.encode``), every token scored, the first from the prefix token
@@ -174,6 +181,17 @@ def perplexity(model, ids: torch.Tensor, window: int, stride: int | None = None,
     return math.exp(total / count)
 
 
+def rows(modes: list[str], linear: str | None) -> list[tuple[str, str | None]]:
+    """``(row name, linear kind)`` of each scored row: every mode as given, then, with ``linear``, each again
+    with those linears, named ``MODE+LINEAR[:CACHE]`` (``off+fp8``: the model's attention unpatched)."""
+    out = [(name, None) for name in modes]
+    if linear is not None:
+        for name in modes:
+            mode, sep, cache = name.partition(":")
+            out.append((f"{mode}+{linear}{sep}{cache}", linear))
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -208,18 +226,19 @@ def run(args: argparse.Namespace) -> dict:
         return math.exp(total / count)
 
     results = {}
-    for name in args.modes:
+    for name, linear in rows(args.modes, args.linear):
         mode, _, cache = name.partition(":")
+        mode = mode.removesuffix(f"+{linear}")
         if cache and not args.kv_cache:
             raise ValueError(f"{name!r} names a cache: add --kv-cache")
         start = time.perf_counter()
-        if mode == "off":
+        if mode == "off" and linear is None:
             value = evaluate(name, cache or "dynamic")
         else:
-            with quantpatch.patch_model(model, mode, policy="always") as handle:
+            with quantpatch.patch_model(model, mode, policy="always", linear=linear) as handle:
                 value = evaluate(name, cache or "dynamic")
             if handle.fallbacks():
-                logger.warning("%s fell back: %s", mode, handle.fallbacks())
+                logger.warning("%s fell back: %s", name, handle.fallbacks())
         results[name] = {"ppl": value, "seconds": time.perf_counter() - start}
     base = results.get("off", {}).get("ppl")
     for r in results.values():
@@ -250,6 +269,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--stride", type=int, default=None)
     parser.add_argument("--modes", nargs="+", default=["off", "sage2-8b", "int8-flash", "fireq", "sage2-4b", "turbo"])
+    parser.add_argument("--linear", default=None, choices=["fp8"],
+                        help="also score each mode with the transformer blocks' linears in FP8 (rows MODE+fp8; "
+                             "off+fp8: FP8 linears, attention unpatched)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--kv-cache", action="store_true", help="score chunks fed through a KV cache")

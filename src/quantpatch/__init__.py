@@ -11,6 +11,7 @@ from quantpatch.checkpoint import CheckpointError, load, save
 from quantpatch.config import AttentionConfig, KVCacheConfig, LinearConfig, ModeConfig
 from quantpatch.convert import FireQOptions, convert
 from quantpatch.fallback import QuantpatchFallbackWarning, UnsupportedError
+from quantpatch.fp8_linear import FP8Linear
 from quantpatch.metrics import all_metrics, cos_sim, mre, rel_l1, rmse
 from quantpatch.modes import MODES, available_modes, get_mode
 from quantpatch.patching import PatchHandle, patch_model
@@ -41,6 +42,7 @@ __all__ = [
     "AttentionConfig",
     "CalibrationStats",
     "CheckpointError",
+    "FP8Linear",
     "FireQOptions",
     "HeadPrecision",
     "KVCacheConfig",

@@ -38,7 +38,7 @@ PV_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "fp16", "none")
 V_GRANULARITIES = ("tensor", "block", "channel")
 EXP_KINDS = ("exact", "sas")
 KV_KINDS = ("none", "turbo", "fireq")
-LINEAR_KINDS = ("none", "w4a8_fp8")
+LINEAR_KINDS = ("none", "w4a8_fp8", "fp8")
 # exp(x) underflows to 0 in float64 below x = -745: a lower SAS threshold only adds zero LUT entries.
 SAS_MIN_THRESHOLD = -745.0
 
@@ -289,14 +289,17 @@ class KVCacheConfig(_JsonConfig):
 
 @dataclass(frozen=True)
 class LinearConfig(_JsonConfig):
-    """Quantized linear layers (FireQ W4A8-FP).
+    """Quantized linear layers: FireQ W4A8-FP, or FP8 weights and activations.
 
     Attributes:
-        kind: ``none`` or ``w4a8_fp8`` (INT4 weights with FP8 group scales, FP8 activations).
-        group_size: input-dimension group sharing one weight scale (128).
-        cas: merge channel-wise absmean scaling into the weights offline.
-        pts: apply the per-tensor 2^n scaling that prevents FP8-scale underflow.
-        include: module-name substrings to quantize (empty: every ``nn.Linear`` but the LM head).
+        kind: ``none``; ``w4a8_fp8`` (INT4 weights with FP8 group scales, FP8 activations; made by
+            ``quantpatch.convert``); or ``fp8`` (e4m3 weights per output channel, e4m3 activations per
+            token; swapped in by ``patch_model``, no calibration: :mod:`quantpatch.fp8_linear`).
+        group_size: input-dimension group sharing one weight scale (128; ``w4a8_fp8`` only).
+        cas: merge channel-wise absmean scaling into the weights offline (``w4a8_fp8`` only).
+        pts: apply the per-tensor 2^n scaling that prevents FP8-scale underflow (``w4a8_fp8`` only).
+        include: module-name substrings to quantize (empty: ``w4a8_fp8`` every decoder linear but the LM
+            head, ``fp8`` every linear of the transformer blocks).
     """
 
     kind: str = _knob("none", choices=LINEAR_KINDS)

@@ -17,13 +17,18 @@ Both sage2 modes also smooth V (the paper's optional §3.4 technique): with FP8 
 denominator summed from the unquantized P̃, the P̃ rounding error is multiplied by V's channel
 bias; subtracting mean(V) removes it (rel-L1 0.0205 → 0.0061 on channel-biased V, neutral on
 N(0, 1), 0-3% kernel time).
+
+Every mode takes FP8 linear layers as an option: ``get_mode(name, linear="fp8")`` (or
+``patch_model(model, name, linear="fp8")``) swaps the transformer blocks' ``nn.Linear`` layers for
+:class:`~quantpatch.fp8_linear.FP8Linear` (e4m3 weights per output channel, e4m3 activations per token).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from quantpatch.config import AttentionConfig, KVCacheConfig, LinearConfig, ModeConfig
+from quantpatch.config import LINEAR_KINDS, AttentionConfig, KVCacheConfig, LinearConfig, ModeConfig
 
 _SAGE2_8B = AttentionConfig(
     numerics="sage2",
@@ -95,11 +100,27 @@ def available_modes() -> list[str]:
     return sorted(MODES)
 
 
-def get_mode(mode: str | ModeConfig, **options: Any) -> ModeConfig:
+def linear_config(current: LinearConfig, linear: str | LinearConfig) -> LinearConfig:
+    """The linear part that ``linear`` selects: a :class:`LinearConfig` as given, or a kind name, which gives
+    ``LinearConfig(kind=linear)`` (``current`` itself where it already has that kind)."""
+    if isinstance(linear, LinearConfig):
+        return linear
+    if not isinstance(linear, str) or linear not in LINEAR_KINDS:
+        raise ValueError(f"linear={linear!r} is not valid; choose one of {list(LINEAR_KINDS)} or pass a LinearConfig")
+    return current if current.kind == linear else LinearConfig(kind=linear)
+
+
+def get_mode(mode: str | ModeConfig, *, linear: str | LinearConfig | None = None, **options: Any) -> ModeConfig:
     """Resolve a mode name (or a ready :class:`ModeConfig`) and apply option overrides.
 
+    Args:
+        mode: a registered mode name or a ``ModeConfig``.
+        linear: the linear layers: a kind (``"none"``, ``"w4a8_fp8"``, ``"fp8"``; see :func:`linear_config`)
+            or a :class:`LinearConfig`; ``None`` keeps the mode's. Applied before ``options``.
+        options: field overrides by (dotted) name, as :meth:`ModeConfig.with_options`.
+
     Raises:
-        ValueError: the mode is unknown (the message lists the valid ones) or an option is.
+        ValueError: the mode is unknown (the message lists the valid ones), or ``linear`` or an option is.
     """
     if isinstance(mode, ModeConfig):
         config = mode
@@ -107,4 +128,6 @@ def get_mode(mode: str | ModeConfig, **options: Any) -> ModeConfig:
         config = MODES[mode]
     else:
         raise ValueError(f"unknown quantpatch mode {mode!r}; valid modes are {available_modes()}")
+    if linear is not None and linear_config(config.linear, linear) is not config.linear:
+        config = dataclasses.replace(config, linear=linear_config(config.linear, linear))
     return config.with_options(**options) if options else config

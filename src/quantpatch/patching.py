@@ -119,8 +119,12 @@ def patch_model(
     exclude: list[str] | None = None,
     overrides: dict[str, dict[str, Any]] | None = None,
     policy: str = "speed",
+    linear: str | None = None,
+    linear_include: list[str] | None = None,
+    linear_exclude: list[str] | None = None,
 ) -> PatchHandle:
-    """Swap the attention of a loaded Transformers model (or Diffusers pipeline/transformer).
+    """Swap the attention (and with ``linear="fp8"`` the block linears) of a loaded Transformers model (or Diffusers
+    pipeline/transformer).
 
     Args:
         model: a ``transformers.PreTrainedModel``, a Diffusers pipeline or transformer.
@@ -134,14 +138,30 @@ def patch_model(
             the model's own attention, so a patched model is never slower (on the CPU, every call runs
             SDPA). ``"always"``: every call runs the mode's numerics (accuracy studies, CPU reference).
             ``report()`` counts each site's calls per route.
+        linear: ``"fp8"`` swaps the transformer blocks' ``nn.Linear`` layers (attention projections, MLP /
+            feed-forward; never embeddings, norms, the LM head, VAE or text encoders) for
+            :class:`~quantpatch.fp8_linear.FP8Linear` (e4m3 weights per output channel, e4m3 activations per
+            token; no calibration; :mod:`quantpatch.patches.linears`); ``"none"`` keeps them. Overrides the
+            mode's ``linear`` part (``get_mode(mode, linear=...)``); ``None`` keeps the mode's. Layers whose
+            in/out features are not multiples of 16 keep their ``nn.Linear`` (reported; an error under
+            ``strict``). While patched the handle holds the original linears (their weights stay in memory).
+        linear_include / linear_exclude: substrings of a linear's name selecting which block linears become
+            FP8 (default: the mode's ``linear.include``, else all); independent of ``include`` / ``exclude``.
 
     Returns:
         A :class:`PatchHandle`: ``.remove()`` (or leaving its ``with`` block) restores the model.
 
     Raises:
-        ValueError: the model is already patched, is ``torch.compile``-d, or is of an unsupported kind.
+        ValueError: the model is already patched, is ``torch.compile``-d, or is of an unsupported kind; ``linear``
+            names no kind (or ``"w4a8_fp8"``, which ``quantpatch.convert`` makes); linear filters without FP8 linears.
     """
-    config = get_mode(mode)
+    if linear == "w4a8_fp8":
+        raise ValueError("patch_model swaps in linear='fp8' (or 'none'); W4A8 linears are made by quantpatch.convert "
+                         "and loaded from its checkpoints")
+    config = get_mode(mode, linear=linear)
+    if config.linear.kind != "fp8" and (linear_include is not None or linear_exclude is not None):
+        raise ValueError(f"linear_include / linear_exclude select FP8 linears, but mode {config.name!r} has linear "
+                         f"{config.linear.kind!r}: pass linear='fp8'")
     if _is_compiled(model):
         raise ValueError(
             "patch_model got a torch.compile-d model; patch the original module first, then compile it"
@@ -159,6 +179,11 @@ def patch_model(
             raise ValueError(
                 f"overrides name unknown sites {sorted(unknown)}; sites are {[s.name for s in handle.sites]}"
             )
+        if config.linear.kind == "fp8":
+            from quantpatch.patches.linears import patch_linears
+
+            patch_linears(model, handle, strict=strict, exclude=linear_exclude,
+                          include=linear_include if linear_include is not None else list(config.linear.include))
         handle.setattr(model, PATCHED_MARK, handle)
     except BaseException:
         handle.remove()

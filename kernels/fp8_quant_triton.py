@@ -1,0 +1,97 @@
+"""Per-token FP8 quantization of a linear layer's activations in one Triton launch.
+
+One program per token (row of ``x (M, K)``) computes, in float32 after the load::
+
+    s = absmax(row) / 448   (IEEE division; 1 for an all-zero row)       q = e4m3(row / s)
+
+and writes ``q float8_e4m3fn (M, K)`` and ``s float32 (M, 1)``: the operands ``torch._scaled_mm`` takes
+with row-wise scales. Bit for bit :func:`~quantpatch.kernels.fp8_linear_ref.quantize_rows_fp8_ref`:
+the quotient ``row / s`` is the IEEE one (``_div_by``: one reciprocal per row and Markstein's FMA
+correction), the cast is the shared saturating round-to-nearest-even e4m3 cast of
+:mod:`~quantpatch.kernels.qk_quant_triton` (``cvt.rn.satfinite`` on the GPU, an exact emulation under
+``TRITON_INTERPRET=1``). A row of up to ``ROW_BLOCK`` channels is read once; a longer one twice
+(absmax pass, then quantize pass from L2), in chunks of ``ROW_BLOCK``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .compiled_launch import LaunchPlans, interpreting, next_pow2
+from .qk_quant_triton import _div_by, _to_fp8e4m3
+
+E4M3_MAX = 448.0
+ROW_BLOCK = 4096  # channels per load; not tuned on a GPU yet (W4A8's activation kernel reads 16384 at once)
+
+
+@triton.jit
+def _fp8_quantize_rows_kernel(
+    X_ptr, Q_ptr, S_ptr,
+    K, stride_xm, stride_qm,
+    BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """Token ``m = program_id``: ``s = absmax / 448`` (1 if 0), ``q = e4m3(x / s)``."""
+    m = tl.program_id(0).to(tl.int64)  # offsets of large activations exceed int32
+    x_row = X_ptr + m * stride_xm
+    q_row = Q_ptr + m * stride_qm
+    offs = tl.arange(0, BLOCK_K)
+    x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+    amax = tl.abs(x)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        amax = tl.maximum(amax, tl.abs(tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)))
+    scale = tl.math.div_rn(tl.max(amax, 0), E4M3_MAX)
+    scale = tl.where(scale == 0.0, 1.0, scale)  # symmetric_scale: an all-zero token gets 1
+    tl.store(q_row + offs, _to_fp8e4m3(_div_by(x, scale), EMULATE), mask=offs < K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        mask = k0 + offs < K
+        x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(q_row + k0 + offs, _to_fp8e4m3(_div_by(x, scale), EMULATE), mask=mask)
+    tl.store(S_ptr + m, scale)
+
+
+_LAUNCH = LaunchPlans(_fp8_quantize_rows_kernel)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token e4m3 quantization of ``x (M, K)`` (fp16 / bf16 / fp32, last dim contiguous), on the current stream.
+
+    Returns:
+        ``q float8_e4m3fn (M, K)`` and ``s float32 (M, 1)`` with ``x ≈ q · s``: the numerics of
+        :func:`~quantpatch.kernels.fp8_linear_ref.quantize_rows_fp8_ref` bit for bit.
+    """
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be 2-D (M, K) with a contiguous last dim, got shape {tuple(x.shape)} "
+                         f"and strides {x.stride()}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"x has dtype {x.dtype}; the kernel takes float16, bfloat16 or float32")
+    m, k = x.shape
+    q = torch.empty((m, k), device=x.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty((m, 1), device=x.device, dtype=torch.float32)
+    if m and k:
+        block_k = min(ROW_BLOCK, next_pow2(max(k, 16)))
+        _LAUNCH((m,), (x, q, scale, k, x.stride(0), q.stride(0)),
+                dict(BLOCK_K=block_k, EMULATE=interpreting()), num_warps=max(1, min(8, block_k // 256)))
+    elif m:
+        scale.fill_(1.0)  # no channels: absmax 0
+    return q, scale
+
+
+@torch.library.custom_op("quantpatch::fp8_quantize_rows", mutates_args=())
+def fp8_quantize_rows_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows_fp8` as one op: what ``torch.compile`` sees."""
+    return quantize_rows_fp8(x)
+
+
+@fp8_quantize_rows_op.register_fake
+def _(x):
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
+def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows_fp8`: eager calls launch directly (the custom op's dispatch costs host time a
+    decode-sized layer does not have), ``torch.compile`` traces go through :func:`fp8_quantize_rows_op`."""
+    if torch.compiler.is_compiling():
+        return fp8_quantize_rows_op(x)
+    return quantize_rows_fp8(x)

@@ -1,0 +1,109 @@
+"""FP8 linear layers for ``patch_model(..., linear="fp8")``, for Transformers and Diffusers models alike.
+
+Which linears: every plain ``nn.Linear`` of a transformer block, a block being the ``nn.ModuleList`` element
+that holds an attention site the library patcher recorded (``model.layers.3`` for
+``model.layers.3.self_attn``; ``transformer_blocks.0`` for ``transformer_blocks.0.attn.processor``). That is
+the attention projections (q/k/v/o_proj; to_q/to_k/to_v/to_out, add_*_proj, to_add_out) and the MLP or
+feed-forward (gate/up/down_proj; ff.net.*, proj_mlp, proj_out of single-stream blocks). Never swapped:
+anything outside the blocks (embeddings, timestep / caption embedders, ``lm_head``, final norms and output
+projections), linears inside normalization modules (a class name containing ``Norm``: adaLN modulation such
+as ``AdaLayerNormZero.linear``), subclasses of ``nn.Linear`` (quantized or adapter layers: recorded as
+kept), and for Diffusers everything but the transformer (VAE, text encoders). ``linear_include`` /
+``linear_exclude`` filter by substrings of the layer's name (as ``report()`` lists it), like
+``include`` / ``exclude`` for attention sites; the two filters are independent.
+
+Shapes: ``torch._scaled_mm`` takes in/out features that are multiples of 16. A layer that is not keeps its
+``nn.Linear`` (decided at patch time on every device, so CPU and GPU swap the same layers): one warning,
+the reason in the report, ``UnsupportedError`` naming the layer under ``strict=True``.
+
+Each swap is an entry of the parent's ``_modules`` recorded in the handle, so ``remove()`` puts the original
+``nn.Linear`` back (its weights are kept in memory while patched: :class:`~quantpatch.fp8_linear.FP8Linear`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from quantpatch.fallback import fall_back, logger
+from quantpatch.patches import _class_names, selected
+from quantpatch.patching import PatchHandle
+
+NORM_MARK = "Norm"  # class names of normalization modules: their linears (adaLN modulation) stay
+
+
+def transformer_root(model: Any) -> nn.Module:
+    """The module whose blocks are patched: a Transformers model itself, a Diffusers pipeline's transformer."""
+    if ("transformers", "PreTrainedModel") in _class_names(model):
+        return model
+    from quantpatch.patches.diffusers import find_transformer
+
+    return find_transformer(model)
+
+
+def block_of(root: nn.Module, fqn: str) -> str:
+    """The innermost ``nn.ModuleList`` element of ``root`` that contains module ``fqn`` (``fqn`` itself if none)."""
+    parts = fqn.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i].isdigit() and isinstance(root.get_submodule(".".join(parts[:i])), nn.ModuleList):
+            return ".".join(parts[: i + 1])
+    return fqn
+
+
+def _linears_under(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Linear]]:
+    """``(fqn, linear)`` of every ``nn.Linear`` (or subclass) below ``module``, not entering normalization modules."""
+    for name, child in module.named_children():
+        fqn = f"{prefix}.{name}"
+        if isinstance(child, nn.Linear):
+            yield fqn, child
+        elif NORM_MARK not in type(child).__name__:
+            yield from _linears_under(child, fqn)
+
+
+def block_linears(root: nn.Module, attention_modules: list[str]) -> dict[str, nn.Linear]:
+    """``{fqn: linear}`` of the blocks holding ``attention_modules`` (FQNs under ``root``), in module order."""
+    blocks = dict.fromkeys(block_of(root, fqn) for fqn in attention_modules)
+    found: dict[str, nn.Linear] = {}
+    for block in blocks:
+        found.update(_linears_under(root.get_submodule(block), block))
+    return found
+
+
+def patch_linears(model: Any, handle: PatchHandle, *, strict: bool, include: list[str] | None,
+                  exclude: list[str] | None) -> None:
+    """Swap the block linears of ``model`` for :class:`~quantpatch.fp8_linear.FP8Linear`, recording each swap
+    (and each layer kept) in ``handle`` as a site of kind ``"linear"``. Call after the attention patcher."""
+    from quantpatch.fp8_linear import FP8Linear, scaled_mm_unsupported, shape_unsupported
+
+    root = transformer_root(model)
+    attention = [s.name.removesuffix(".processor") for s in handle.sites if s.kind == "attention"]
+    linears = block_linears(root, attention)
+    swapped = {}  # id(original) -> replacement: a linear shared by two blocks is quantized once
+    for fqn, linear in linears.items():
+        if type(linear) is not nn.Linear:
+            handle.add_site(fqn, "linear", f"original {type(linear).__name__} (not a plain nn.Linear)")
+            continue
+        if not selected(fqn, include, exclude):
+            handle.add_site(fqn, "linear", "original nn.Linear (excluded)")
+            continue
+        reason = shape_unsupported(linear.in_features, linear.out_features)
+        if reason is not None:
+            fall_back(f"FP8 linear {fqn}", reason, strict=strict, to="the original nn.Linear")
+            handle.add_site(fqn, "linear", "original nn.Linear").fallbacks.add(reason)
+            continue
+        fp8 = swapped.get(id(linear))
+        if fp8 is None:
+            fp8 = swapped[id(linear)] = FP8Linear.from_linear(linear)
+            fp8.site = handle.add_site(fqn, "linear", "quantpatch FP8Linear (e4m3 weights per channel, "
+                                                      "activations per token)")
+        parent, _, child = fqn.rpartition(".")
+        handle.setitem(root.get_submodule(parent)._modules, child, fp8)
+        # route decided now for the weights' device and dtype, so that calls (and torch.compile traces) only read it
+        weight = linear.weight
+        scaled_mm_unsupported(weight.device, weight.dtype, linear.bias is not None)
+    if not swapped:
+        message = f"linear='fp8': no nn.Linear of {type(root).__name__}'s transformer blocks was swapped"
+        handle.notes.append(message)
+        logger.warning(message)

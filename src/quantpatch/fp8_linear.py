@@ -1,0 +1,186 @@
+"""``FP8Linear``: an ``nn.Linear`` with e4m3 weights per output channel and e4m3 activations per token.
+
+``patch_model(model, mode, linear="fp8")`` makes one from each linear of the transformer blocks
+(:mod:`quantpatch.patches.linears`), with no calibration. Numerics (exact, pure PyTorch):
+:mod:`quantpatch.kernels.fp8_linear_ref`::
+
+    s_w = absmax(W[n, :]) / 448    W_fp8 = e4m3(W / s_w)      at patch time (per output channel)
+    s_x = absmax(x[m, :]) / 448    x_fp8 = e4m3(x / s_x)      per call (per token)
+    y = (x_fp8 · W_fp8ᵀ) ⊙ s_x ⊙ s_wᵀ (+ bias), float32 accumulation, output in x's dtype
+
+``forward`` routes once per (device, dtype, bias) in :func:`scaled_mm_unsupported`:
+
+* GPU path (CUDA sm_89+, torch ≥ 2.5 with ``torch._scaled_mm``, an output dtype that its row-wise
+  scaling takes on this GPU): the Triton kernel of :mod:`quantpatch.kernels.fp8_quant_triton` quantizes
+  the activations in one launch (bit for bit the reference's ``x_fp8``, ``s_x``), then
+  ``torch._scaled_mm(x_fp8, W_fp8ᵀ, scale_a=s_x (M, 1), scale_b=s_w (1, N), bias, out_dtype=x.dtype)``
+  with ``use_fast_accum=False`` (FP8 MMA partials promoted to float32).
+* elsewhere the reference: on the CPU that is the path (silent); a CUDA device the GPU path cannot
+  serve warns once with the reason and records it in the handle's report.
+
+The route taken is counted per call on the layer's report site (``handle.report()``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from quantpatch.fallback import SiteRecord, fall_back
+from quantpatch.kernels.device import cuda_unsupported
+from quantpatch.kernels.fp8_linear_ref import fp8_linear_ref, quantize_rows_fp8_ref
+
+# torch._scaled_mm takes K and N multiples of 16 (cuBLASLt / CUTLASS FP8 alignment).
+SCALED_MM_MULTIPLE = 16
+ROUTE_GPU, ROUTE_REFERENCE = "scaled_mm", "reference"
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_REASONS: dict[tuple[torch.device, torch.dtype, bool], str | None] = {}
+_QUANTIZER: list[Callable] = []  # the Triton activation quantizer once imported (Triton loads only for the GPU path)
+
+
+def shape_unsupported(in_features: int, out_features: int) -> str | None:
+    """Why ``torch._scaled_mm`` cannot take a ``K = in_features → N = out_features`` layer (None if it can)."""
+    for name, size in (("in_features", in_features), ("out_features", out_features)):
+        if size % SCALED_MM_MULTIPLE:
+            return f"{name}={size} is not a multiple of {SCALED_MM_MULTIPLE} (torch._scaled_mm)"
+    return None
+
+
+def _scaled_mm_call_fails(device: torch.device, dtype: torch.dtype, bias: bool) -> str | None:
+    """Whether a 16×16×16 row-wise ``torch._scaled_mm`` in ``dtype`` runs on ``device``: which output dtypes
+    (and biases) its row-wise scaling takes depends on the GPU, cuBLAS and torch versions."""
+    a = torch.zeros(16, 16, device=device).to(torch.float8_e4m3fn)
+    ones = torch.ones(16, 1, device=device)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=ones, scale_b=ones.t().contiguous(), out_dtype=dtype,
+                         bias=torch.zeros(16, device=device, dtype=dtype) if bias else None)
+    except (RuntimeError, ValueError, TypeError) as err:
+        return f"torch._scaled_mm row-wise with {dtype} output{' and a bias' if bias else ''}: " \
+               f"{str(err).splitlines()[0]}"
+    return None
+
+
+def scaled_mm_unsupported(device: torch.device, dtype: torch.dtype, bias: bool) -> str | None:
+    """Why the GPU path cannot run layers on ``device`` with ``dtype`` inputs (and a bias), or None.
+
+    Decided once per key (the first CUDA call tries one small ``torch._scaled_mm``); :func:`patch_linears
+    <quantpatch.patches.linears.patch_linears>` asks at patch time, so a later ``torch.compile`` trace only
+    reads the cache.
+    """
+    key = (device, dtype, bias)
+    if key not in _REASONS:
+        if device.type != "cuda":
+            reason = "inputs are not CUDA tensors"
+        elif not hasattr(torch, "_scaled_mm"):
+            reason = f"torch {torch.__version__} has no torch._scaled_mm (torch >= 2.5 has row-wise scales)"
+        elif dtype not in OUT_DTYPES:
+            reason = f"input dtype {dtype} (the GPU path takes {[str(d) for d in OUT_DTYPES]})"
+        else:
+            reason = cuda_unsupported(torch.empty(0, device=device), (8, 9), "FP8 GEMMs")
+            if reason is None:
+                reason = _scaled_mm_call_fails(device, dtype, bias)
+            if reason is None:
+                try:
+                    _activation_quantizer()  # Triton imported now, not inside a later torch.compile trace
+                except ImportError as err:
+                    reason = f"the Triton activation quantizer is unavailable ({err})"
+        _REASONS[key] = reason
+    return _REASONS[key]
+
+
+def _activation_quantizer() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`~quantpatch.kernels.fp8_quant_triton.quantize_activations_fp8`, its module imported on first use."""
+    if not _QUANTIZER:
+        from quantpatch.kernels.fp8_quant_triton import quantize_activations_fp8
+
+        _QUANTIZER.append(quantize_activations_fp8)
+    return _QUANTIZER[0]
+
+
+def fp8_linear_scaled_mm(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    """The GPU path on ``x (M, K)`` (last dim contiguous) → ``y (M, N)`` in ``x``'s dtype."""
+    x_fp8, x_scale = _activation_quantizer()(x)
+    return torch._scaled_mm(x_fp8, weight_fp8.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), bias=bias,
+                            out_dtype=x.dtype, use_fast_accum=False)
+
+
+class FP8Linear(nn.Module):
+    """``y = x Wᵀ + b`` with e4m3 weights per output channel and e4m3 activations per token (inference only).
+
+    Buffers (``state_dict`` carries them, ``.to()`` moves them; a dtype cast leaves the FP8 weight and
+    its float32 scales alone and casts only the bias): ``weight_fp8 float8_e4m3fn (N, K)``,
+    ``weight_scale float32 (N,)`` and ``bias (N,)`` or None. No parameters, so no gradients reach them.
+
+    Shapes: ``x (..., K)`` → ``y (..., N)`` in ``x``'s dtype, ``K = in_features``, ``N = out_features``.
+
+    Memory: ``N·K`` bytes of FP8 weight plus ``4·N`` of scales, half a bf16 weight. ``patch_model``
+    keeps each original ``nn.Linear`` in its handle so that ``remove()`` restores it bitwise: while
+    patched, the original weights stay in memory too (``2·N·K`` bytes in bf16; for Llama-3-8B's 32
+    blocks 14.0 GB of bf16 beside 7.0 GB of FP8).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.site: SiteRecord | None = None  # the report entry whose routes each call counts
+        self.register_buffer("weight_fp8", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn,
+                                                       device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> FP8Linear:
+        """Quantize ``linear``'s weight per output channel (round to nearest even; an all-zero row gets scale 1).
+
+        The new module's buffers are on the linear's device; the bias is copied in its own dtype.
+        """
+        has_bias = linear.bias is not None
+        module = cls(linear.in_features, linear.out_features, has_bias, device=linear.weight.device,
+                     bias_dtype=linear.bias.dtype if has_bias else torch.float32)
+        with torch.no_grad():
+            weight_fp8, weight_scale = quantize_rows_fp8_ref(linear.weight.detach())
+            module.weight_fp8.copy_(weight_fp8)
+            module.weight_scale.copy_(weight_scale.squeeze(1))
+            if has_bias:
+                module.bias.copy_(linear.bias.detach())
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        has_bias = self.bias is not None
+        reason = scaled_mm_unsupported(x.device, x.dtype, has_bias)
+        if reason is None and (has_bias and self.bias.dtype != x.dtype):
+            reason = f"bias dtype {self.bias.dtype} differs from the input dtype {x.dtype}"
+        if reason is None and x.numel():
+            x2 = x.reshape(-1, self.in_features)
+            y = fp8_linear_scaled_mm(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.weight_fp8,
+                                     self.weight_scale, self.bias).view(*x.shape[:-1], self.out_features)
+            route = ROUTE_GPU
+        else:
+            if x.is_cuda and reason is not None:
+                fall_back(f"FP8Linear({self.in_features}->{self.out_features})", reason, strict=False,
+                          to="the PyTorch reference")
+                if self.site is not None:
+                    self.site.fallbacks.add(reason)
+            y = fp8_linear_ref(x, self.weight_fp8, self.weight_scale, self.bias)
+            route = ROUTE_REFERENCE
+        if self.site is not None:
+            self.site.routes[route] = self.site.routes.get(route, 0) + 1
+        return y
+
+    def _apply(self, fn, recurse=True):
+        # ``model.to(torch.bfloat16)`` casts every floating buffer, FP8 ones included; the e4m3 weight and
+        # its float32 scales keep their dtype (only moved), so the layer's numerics do not change.
+        kept = {name: getattr(self, name) for name in ("weight_fp8", "weight_scale")}
+        super()._apply(fn, recurse)
+        for name, old in kept.items():
+            new = getattr(self, name)
+            if new.dtype != old.dtype:
+                setattr(self, name, old.to(new.device))
+        return self
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
