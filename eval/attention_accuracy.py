@@ -2,9 +2,9 @@
 
 For each registered quantized mode and each ablation below, on several input distributions,
 this script runs the pure-PyTorch reference of the numerics
-(``quantpatch.kernels.quant_attention_ref.quant_attention_ref``, float32 compute, as the
+(``quantpatch.kernels.attention.quant_attention_ref.quant_attention_ref``, float32 compute, as the
 kernels) and compares its output with the exact float64 product
-(``quantpatch.kernels.attention_ref.attention_exact``, evaluated per head and per query
+(``quantpatch.kernels.attention.attention_ref.attention_exact``, evaluated per head and per query
 chunk so that 16k tokens fit in memory). It reports CosSim, relative L1 and RMSE
 (SageAttention2 App. A.7) and MRE (INT-FlashAttention §4.2: the mean over output rows of
 ``Σ|o' − o| / Σ|o|``), writes ``accuracy.csv``, ``orderings.csv``, ``accuracy.png``,
@@ -74,8 +74,8 @@ from tqdm.auto import tqdm
 
 from quantpatch import AttentionConfig, available_modes, get_mode, synthetic
 from quantpatch.environment import git_revision
-from quantpatch.kernels.attention_ref import attention_exact
-from quantpatch.kernels.quant_attention_ref import quant_attention_ref
+from quantpatch.kernels.attention.attention_ref import attention_exact
+from quantpatch.kernels.attention.quant_attention_ref import quant_attention_ref
 from quantpatch.metrics import all_metrics
 from quantpatch.synthetic import attention_inputs
 

@@ -144,7 +144,7 @@ def peer_fn(is_causal: bool):
 
 def speed_rows(args) -> list[dict]:
     import quantpatch as qp
-    from quantpatch.kernels import fast_paths
+    from quantpatch.kernels.attention import fast_paths
 
     rows = []
     shapes = [(d, n, c) for d in args.head_dims for n in args.seq_lens for c in args.causal]
@@ -208,7 +208,7 @@ def speed_rows(args) -> list[dict]:
 
 def accuracy_rows(args) -> list[dict]:
     import quantpatch as qp
-    from quantpatch.kernels.attention_ref import attention_exact
+    from quantpatch.kernels.attention.attention_ref import attention_exact
     from quantpatch.metrics import cos_sim, rel_l1
     from quantpatch.synthetic import attention_inputs
 
@@ -233,9 +233,9 @@ def accuracy_rows(args) -> list[dict]:
 
 def tune_rows(args) -> list[dict]:
     import quantpatch as qp
-    from quantpatch.kernels import fast_paths
-    from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
-    from quantpatch.kernels.qk_quant_triton import QuantizedQKV
+    from quantpatch.kernels.attention import fast_paths
+    from quantpatch.kernels.attention.qk_quant_triton import QuantizedQKV
+    from quantpatch.kernels.attention.quant_attn_triton import attn_qk_int8_pv_fp8
 
     rows = []
     for d, n, causal in itertools.product(args.head_dims, args.seq_lens, args.causal):
@@ -276,7 +276,7 @@ def tune_rows(args) -> list[dict]:
 def profile_quant(args) -> None:
     """Per-kernel CUDA times of the quantization pass and the attention kernel (torch.profiler)."""
     import quantpatch as qp
-    from quantpatch.kernels import fast_paths, qk_quant_triton
+    from quantpatch.kernels.attention import fast_paths, qk_quant_triton
 
     ds_configs = [dict(zip(("block_n", "qb_tile", "num_warps", "num_stages"), map(int, c.split(","))))
                   for c in args.ds_tuning] or [dict(qk_quant_triton.DS_TUNING)]

@@ -8,11 +8,11 @@ One Llama-3-8B-shaped attention layer (32 query heads, 8 KV heads, D = 128) deco
   ``sdpa-flash`` / ``sdpa-cudnn``: the same forced to one backend (skipped where it declines the call);
 * ``turbo-ref``: ``turbo_cache_attention`` on a ``TurboLayer`` (the PyTorch reference: it dequantizes
   the cache to the INT8 grid in float32, so it is slow and large; rows it cannot hold are skipped);
-* ``turbo-triton``: the Triton decode kernel ``kernels/turbo_decode_triton.py`` (packed INT4/INT2 →
+* ``turbo-triton``: the Triton decode kernel ``kernels/turbo_kv/turbo_decode_triton.py`` (packed INT4/INT2 →
   INT8 in registers, INT8 dots, SAS, split over the sequence, the splits merged by the last one to finish:
   one launch per code-width group);
 * ``turbo-gluon``: what ``turbo_decode_attention`` runs by default: the Gluon kernel
-  ``kernels/turbo_decode_gluon.py`` (sm_90: the codes as ``mma`` operands straight from registers, one warp a
+  ``kernels/turbo_kv/turbo_decode_gluon.py`` (sm_90: the codes as ``mma`` operands straight from registers, one warp a
   program) for the 4-bit heads, the Triton kernel for the others (rows skipped where Gluon takes no head).
 
 Two times per row: ``ms`` (eager: each call launched from Python, so a call whose GPU work is shorter than
@@ -77,7 +77,7 @@ def synthetic_turbo_layer(
     b: int, n: int, bits: Sequence[int], *, device: str, seed: int = 0, kv_heads: int = KV_HEADS, d: int = HEAD_DIM
 ):
     """A ``TurboLayer`` holding ``n`` tokens in the stored layout, values random (latency does not depend on them)."""
-    from quantpatch.kernels.turbo_ref import CompressedKV, Int8Buffer
+    from quantpatch.kernels.turbo_kv.turbo_ref import CompressedKV, Int8Buffer
     from quantpatch.patches.transformers.turbo_cache import TurboLayer
 
     layer = TurboLayer(kv_heads, d, bits, bits, layer_idx=0)
@@ -105,7 +105,7 @@ def synthetic_turbo_layer(
 
 def turbo_bytes(b: int, n: int, bits: Sequence[int]) -> int:
     """K + V bytes of one layer, FP32 block scales (as ``TurboLayer`` stores them)."""
-    from quantpatch.kernels.turbo_ref import turbo_kv_bytes
+    from quantpatch.kernels.turbo_kv.turbo_ref import turbo_kv_bytes
 
     return 2 * turbo_kv_bytes(n, HEAD_DIM, list(bits), batch=b, scale_bytes=4)
 
@@ -138,7 +138,7 @@ def check_layout(device: str) -> None:
 
 def _triton_decode() -> Callable | None:
     try:
-        from quantpatch.kernels.turbo_decode_triton import turbo_decode_attention
+        from quantpatch.kernels.turbo_kv.turbo_decode_triton import turbo_decode_attention
     except ImportError:  # no Triton
         return None
     return turbo_decode_attention
@@ -170,7 +170,7 @@ def make_runner(impl: str, b: int, n: int, bits: Sequence[int], device: str, n_s
         return None, "the Triton kernel needs CUDA (or TRITON_INTERPRET=1 on CPU)"
     parts = (layer.k_blocks, layer.v_blocks, layer.k_buffer, layer.v_buffer)
     if impl == "turbo-gluon":
-        from quantpatch.kernels.turbo_decode_triton import gluon_takes
+        from quantpatch.kernels.turbo_kv.turbo_decode_triton import gluon_takes
 
         if not any(gluon_takes(torch.device(device), HEADS // KV_HEADS, 1, HEAD_DIM, w, w, n // 64) for w in bits):
             return None, "the Gluon kernel takes no head of this cache here"
@@ -318,7 +318,7 @@ def speed_rows(args: argparse.Namespace) -> list[dict]:
 
 def sweep_rows(args: argparse.Namespace) -> list[dict]:
     """Kernel launch options at ``B × N = --sweep-shape``, 4-bit: every (warps, stages, splits) of the grids."""
-    from quantpatch.kernels.turbo_decode_triton import default_num_splits
+    from quantpatch.kernels.turbo_kv.turbo_decode_triton import default_num_splits
 
     b, n = args.sweep_shape
     bits = (args.bits,) * KV_HEADS

@@ -9,9 +9,9 @@ Llama-3-8B projection shapes (K → N: 4096 → 4096, 4096 → 14336, 14336 → 
   else the Triton tiled one; on the CPU, the PyTorch reference); ``triton e2e`` (where the layer runs a Gluon
   kernel): the Triton path instead;
 * ``w4a8 gemm``: the GEMM of that path alone on pre-quantized activations
-  (:func:`~quantpatch.kernels.w4a8_gluon.w4a8_gemm_gluon` /
-  :func:`~quantpatch.kernels.w4a8_prefill_gluon.w4a8_gemm_prefill_gluon` where the layer runs a Gluon kernel,
-  else :func:`~quantpatch.kernels.w4a8_triton.w4a8_gemm`); ``w4a8 quant``: the activation quantization alone
+  (:func:`~quantpatch.kernels.w4a8.w4a8_gluon.w4a8_gemm_gluon` /
+  :func:`~quantpatch.kernels.w4a8.w4a8_prefill_gluon.w4a8_gemm_prefill_gluon` where the layer runs a Gluon kernel,
+  else :func:`~quantpatch.kernels.w4a8.w4a8_triton.w4a8_gemm`); ``w4a8 quant``: the activation quantization alone
   (in fragment order for the prefill kernel);
 * ``bf16``: ``torch.nn.functional.linear``;
 * ``fp8-tensor`` / ``fp8-rowwise``: ``torch._scaled_mm`` on pre-quantized FP8 e4m3 operands with
@@ -156,7 +156,7 @@ def speed_rows(args) -> list[dict]:
     kernels = args.device.type == "cuda"
     modes = ("eager", "graph") if kernels else ("eager",)
     if kernels:
-        from quantpatch.kernels import w4a8_triton as wt
+        from quantpatch.kernels.w4a8 import w4a8_triton as wt
     for m, (k, n) in itertools.product(args.tokens, args.shapes):  # small M first: a time-boxed run keeps decode
         layer = Layer(k, n, args.device, seed=k + n)
         n_sets = max(1, min(4, L2_ROTATE_BYTES // (m * k * 2 + n * k * 2)))
@@ -180,9 +180,9 @@ def speed_rows(args) -> list[dict]:
             prefill = gluon and wt.gemm_config(m, n, k)["kernel"] != "decode"
             quant = [wt.quantize_activation_fp8(x, fragment_order=gluon) for x in xs]  # both Gluon GEMMs' order
             if prefill:
-                from quantpatch.kernels.w4a8_prefill_gluon import w4a8_gemm_prefill_gluon as gemm
+                from quantpatch.kernels.w4a8.w4a8_prefill_gluon import w4a8_gemm_prefill_gluon as gemm
             elif gluon:
-                from quantpatch.kernels.w4a8_gluon import w4a8_gemm_gluon as gemm
+                from quantpatch.kernels.w4a8.w4a8_gluon import w4a8_gemm_gluon as gemm
             else:
                 gemm = wt.w4a8_gemm
             timed("w4a8 gemm", lambda i: gemm(*quant[i], *args_w, torch.bfloat16))
@@ -256,7 +256,7 @@ def accuracy_rows(args) -> list[dict]:
 
 def tune_candidates(m: int) -> list[dict]:
     """``GEMM_CONFIGS`` entries timed by ``--tune`` at ``m`` tokens: the decode kernel (M ≤ 16) or FP8 tiles."""
-    from quantpatch.kernels import w4a8_triton as wt
+    from quantpatch.kernels.w4a8 import w4a8_triton as wt
 
     if m <= wt.DECODE_BLOCK_M:
         swapped = [dict(kernel="decode", block_n=bn, gps=gps, fused=f, swap=1, num_warps=w)
@@ -295,7 +295,7 @@ def best_table(rows: list[dict]) -> list:
 
 
 def tune_rows(args) -> list[dict]:
-    from quantpatch.kernels import w4a8_triton as wt
+    from quantpatch.kernels.w4a8 import w4a8_triton as wt
 
     rows = []
     for (k, n), m in itertools.product(args.shapes, args.tokens):
@@ -405,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         raise SystemExit("--tune times the Triton GEMM and needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.configs is not None:
-        from quantpatch.kernels import w4a8_triton as wt
+        from quantpatch.kernels.w4a8 import w4a8_triton as wt
 
         tuned = {max_m: cfg for max_m, cfg in json.loads(args.configs.read_text())}  # rows it has replace the table's
         wt.GEMM_CONFIGS = tuple((max_m, tuned.get(max_m, cfg)) for max_m, cfg in wt.GEMM_CONFIGS)
@@ -417,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         (args.out / "tune.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         return dict(meta=meta, tune=rows)
     if args.device.type == "cuda":
-        from quantpatch.kernels import w4a8_triton as wt
+        from quantpatch.kernels.w4a8 import w4a8_triton as wt
 
         meta["gemm_configs"] = wt.GEMM_CONFIGS
     speed = speed_rows(args) + (stream_rows(args) if args.stream > 0 else [])

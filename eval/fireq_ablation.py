@@ -65,7 +65,7 @@ def int4_only_attention(query, key, value, crs, which: str, *, is_causal: bool, 
     """Float attention after online CRS with only K (``which="k"``) or only V (``"v"``) through the INT4 cache."""
     from quantpatch.api import attention
     from quantpatch.crs import apply_online_crs
-    from quantpatch.kernels.fireq_ref import dequantize_kv_cache, quantize_kv_cache
+    from quantpatch.kernels.fireq_kv.fireq_ref import dequantize_kv_cache, quantize_kv_cache
 
     query, key = apply_online_crs(query, key, crs)
     if which == "k":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GPU checks for the device machine: GPU-marked tests, perplexity through the kernels, attention benchmark.
-#   bash eval/run_gpu_checks.sh [tests|ppl|bench|all]   (writes under $OUT; expects carry/ with the model,
-#   data and a diffusers wheel: see eval/README.md)
+# GPU checks for the device machine: GPU-marked tests, the crossover table, perplexity through the kernels,
+# the attention and model benchmarks.
+#   bash eval/run_gpu_checks.sh [tests|tune|ppl|bench|models|all]   (writes under $OUT; expects carry/ with the
+#   model, data and a diffusers wheel: see eval/README.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -11,8 +12,12 @@ python -m pip install -q --no-deps carry/wheels/*.whl >>"$OUT/install.log" 2>&1
 export QP_GIT_SHA=${QP_GIT_SHA:-unknown} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ $what == tests || $what == all ]]; then
-  python -m pytest -q -s -m gpu -rs -p no:cacheprovider --tb=short tests/kernels tests/patches >"$OUT/pytest_gpu.log" 2>&1
+  python -m pytest -q -s -m gpu -rs -p no:cacheprovider --tb=short tests/kernels tests/patches tests/quantpatch \
+    >"$OUT/pytest_gpu.log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed|PSNR" "$OUT/pytest_gpu.log" | tail -20
+fi
+if [[ $what == tune || $what == all ]]; then
+  python -m quantpatch.cli tune --out "$OUT/crossovers.json" 2>&1 | grep -v "it/s\]" | tail -24
 fi
 if [[ $what == ppl || $what == all ]]; then
   python eval/perplexity.py --model carry/models/pydoc-llama-21m --data carry/data/pydoc-val.jsonl \
@@ -21,4 +26,8 @@ if [[ $what == ppl || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   python eval/bench_attention.py --out "$OUT/bench" 2>&1 | tail -40 | tee "$OUT/bench_tail.log"
+fi
+if [[ $what == models || $what == all ]]; then
+  python eval/bench_models.py --out "$OUT/bench_models" --layers wan-14b=8 hunyuanvideo=6 llama3-8b-prefill-32k-b8=4 \
+    llama3-8b-decode-b8-32k=4 2>&1 | grep "^|" | tail -80
 fi

@@ -6,7 +6,7 @@
 import torch
 
 import quantpatch
-from quantpatch.kernels.attention_ref import attention_exact
+from quantpatch.kernels.attention.attention_ref import attention_exact
 from quantpatch.synthetic import attention_inputs
 
 device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,8 +1,8 @@
 """The package's import structure, read from the source with ``ast``: kernels never import the API layer, the
 module-level import graph has no cycle, and the patched attention does not pull the conversion stack in.
 
-Modules are named as installed (``setup.py``): ``src/quantpatch/x.py`` is ``quantpatch.x``, ``kernels/x.py``
-``quantpatch.kernels.x``, ``patches/a/b.py`` ``quantpatch.patches.a.b``. An edge ``a → b`` is an ``import`` in
+Modules are named as installed (``setup.py``): ``src/quantpatch/x.py`` is ``quantpatch.x``, ``kernels/a/b.py``
+``quantpatch.kernels.a.b``, ``patches/a/b.py`` ``quantpatch.patches.a.b``. An edge ``a → b`` is an ``import`` in
 ``a`` of ``b`` (or of a name ``b`` defines); the parent packages Python imports on the way are not edges (every
 module would otherwise import ``quantpatch/__init__.py``, which imports the public API).
 """
@@ -10,6 +10,8 @@ module would otherwise import ``quantpatch/__init__.py``, which imports the publ
 from __future__ import annotations
 
 import ast
+import importlib
+import pkgutil
 import sys
 from functools import cache
 from pathlib import Path
@@ -23,8 +25,10 @@ KERNELS = "quantpatch.kernels"
 KERNELS_MAY_IMPORT = {"quantpatch.config"}
 # (kernel module, API module) imports that stay, with why
 KERNEL_IMPORTS_ALLOWED = {
-    ("quantpatch.kernels.turbo_ref", "quantpatch.modes"): "the decode reference defaults to the turbo mode's preset",
-    ("quantpatch.kernels.fireq_ref", "quantpatch.modes"): "the decode reference defaults to the fireq mode's preset",
+    ("quantpatch.kernels.turbo_kv.turbo_ref", "quantpatch.modes"):
+        "the decode reference defaults to the turbo mode's preset",
+    ("quantpatch.kernels.fireq_kv.fireq_ref", "quantpatch.modes"):
+        "the decode reference defaults to the fireq mode's preset",
 }
 
 
@@ -116,11 +120,36 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_source_roots_are_read():
     """The walk finds the modules the checks below rely on, and resolves relative imports."""
     found = modules()
-    for name in ("quantpatch", "quantpatch.dispatch", "quantpatch.kernels.fast_paths",
+    for name in ("quantpatch", "quantpatch.dispatch", "quantpatch.kernels.attention.fast_paths",
                  "quantpatch.patches.transformers.attention", "quantpatch.patches.transformers"):
         assert name in found, name
-    assert ("quantpatch.kernels.attn_qk_int8_pv_fp8_triton", True) in {
-        (t, top) for t, _, top in imports()["quantpatch.kernels.fast_paths"]}
+    fast_paths = {(t, top) for t, _, top in imports()["quantpatch.kernels.attention.fast_paths"]}
+    assert ("quantpatch.kernels.attention.quant_attn_triton", True) in fast_paths  # from . import
+    assert ("quantpatch.kernels.device", True) in fast_paths  # from ..device import
+
+
+def test_every_kernel_module_imports():
+    """Every module under ``kernels/`` imports here (without CUDA: Triton's CPU build and Gluon's Python API
+    suffice), and the package walk reaches every one of them (a folder without ``__init__.py`` is not reached).
+    Where ``triton.experimental.gluon`` does not import, only the Gluon modules may fail, on that import."""
+    pytest.importorskip("triton", reason="Triton is not installed")
+    try:
+        importlib.import_module("triton.experimental.gluon")
+        gluon_missing = False
+    except ImportError:
+        gluon_missing = True
+    kernels = importlib.import_module(KERNELS)
+    walked = {info.name for info in pkgutil.walk_packages(kernels.__path__, KERNELS + ".")}
+    on_disk = {name for name in modules() if name.startswith(KERNELS + ".")}
+    assert walked == on_disk, f"not reached: {sorted(on_disk - walked)}; not on disk: {sorted(walked - on_disk)}"
+    failed = []
+    for name in sorted(walked):
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            if not (gluon_missing and "gluon" in str(err)):
+                failed.append(f"{name}: {err!r}")
+    assert not failed, "kernel modules that do not import:\n" + "\n".join(failed)
 
 
 def test_kernels_import_no_api_module():

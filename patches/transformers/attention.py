@@ -146,7 +146,7 @@ def make_attention_function() -> Callable:
         if crs is not None:  # a converted fireq model: CRS post-RoPE, online (q · t, k / t)
             query, key = apply_online_crs(query, key, crs[0])
             if query.shape[2] < key.shape[2]:  # decode / chunked prefill over the cache: INT4 K/V, FP8 Q
-                from quantpatch.kernels.fireq_ref import fireq_decode_attention_ref
+                from quantpatch.kernels.fireq_kv.fireq_ref import fireq_decode_attention_ref
 
                 with running_site(site.record):
                     out = fireq_decode_attention_ref(query, key, value, cfg=site.config, is_causal=causal,

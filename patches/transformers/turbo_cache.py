@@ -54,9 +54,9 @@ from quantpatch.calibration_turbo import HeadPrecision, attention_modules, head_
 from quantpatch.config import AttentionConfig, KVCacheConfig, ModeConfig
 from quantpatch.dispatch import preload_kernels
 from quantpatch.fallback import UnsupportedError, fall_back
-from quantpatch.kernels.quant_attention_ref import quant_attention_ref
+from quantpatch.kernels.attention.quant_attention_ref import quant_attention_ref
 from quantpatch.kernels.quant_ref import symmetric_scale
-from quantpatch.kernels.turbo_ref import (
+from quantpatch.kernels.turbo_kv.turbo_ref import (
     CompressedKV,
     Int8Buffer,
     decode_attention_config,
@@ -371,7 +371,7 @@ def _compress_kernel(x: torch.Tensor, bits: tuple[int, ...], block: int, step: s
     ``turbo_append_ref`` (``"int8"``); ``{}`` (the reference) on CPU or, with one warning, where the kernel declines."""
     if not x.is_cuda:
         return {}
-    from quantpatch.kernels.turbo_compress_triton import (
+    from quantpatch.kernels.turbo_kv.turbo_compress_triton import (
         compress_unsupported,
         turbo_compress_blocks,
         turbo_compress_int8_blocks,
@@ -558,7 +558,7 @@ def turbo_cache_attention(
     ``quant_attention_ref`` with ``k_quantized`` / ``v_quantized``. ``is_causal``: bottom-right among the
     query tokens; ``attn_mask``: bool or additive, broadcastable to ``(B, H, Nq, N)``.
 
-    On CUDA the Triton decode kernel (``kernels/turbo_decode_triton.py``) reads the packed codes, the
+    On CUDA the Triton decode kernel (``kernels/turbo_kv/turbo_decode_triton.py``) reads the packed codes, the
     integer scales and the buffer in place; what it does not take (an ``attn_mask``, head_dim outside
     {64, 128}, ``Nq > 16``, other numerics) runs this reference, with one warning. ``use_kernel``:
     None = on CUDA, False = always the reference (benchmarks).
@@ -568,7 +568,7 @@ def turbo_cache_attention(
     """
     cfg = cache_attention_config(cfg, layer.block)
     if query.is_cuda and use_kernel is not False:
-        from quantpatch.kernels.turbo_decode_triton import decode_unsupported, turbo_decode_attention
+        from quantpatch.kernels.turbo_kv.turbo_decode_triton import decode_unsupported, turbo_decode_attention
 
         parts = (layer.k_blocks, layer.v_blocks, layer.k_buffer, layer.v_buffer)
         reason = "attn_mask" if attn_mask is not None else decode_unsupported(query, *parts, cfg)

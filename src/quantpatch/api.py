@@ -48,7 +48,7 @@ def _validate(q, k, v, attn_mask, layout) -> None:
 
 def sdpa_attention(call: AttentionCall):
     """Full-precision attention through PyTorch SDPA (bottom-right causal, GQA), output ``(B, H, Nq, Dv)``."""
-    from quantpatch.kernels.attention_ref import attention_exact, causal_allowed, expand_kv
+    from quantpatch.kernels.attention.attention_ref import attention_exact, causal_allowed, expand_kv
 
     q, k, v = call.q, call.k, call.v
     if call.return_lse:  # SDPA does not return the LSE: use the exact path in float32

@@ -48,7 +48,7 @@ import torch
 from tqdm import tqdm
 
 from quantpatch.config import KVCacheConfig, ModeConfig
-from quantpatch.kernels.turbo_ref import head_bits, select_two_bit_heads, two_bit_head_count
+from quantpatch.kernels.turbo_kv.turbo_ref import head_bits, select_two_bit_heads, two_bit_head_count
 from quantpatch.modes import get_mode
 
 HEAD_PRECISION_VERSION = 1

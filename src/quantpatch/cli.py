@@ -31,7 +31,7 @@ from quantpatch.synthetic import KINDS, attention_inputs
 
 def compare(args: argparse.Namespace) -> list[dict]:
     """Accuracy (and wall time) of each mode on one synthetic input; returns the table rows."""
-    from quantpatch.kernels.attention_ref import attention_exact
+    from quantpatch.kernels.attention.attention_ref import attention_exact
 
     if args.heads % args.kv_heads:
         raise UsageError(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")

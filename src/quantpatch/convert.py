@@ -51,7 +51,7 @@ from torch import nn
 from quantpatch.calibration import CalibrationStats, LayerSites, architecture_hash, calibration_key, decoder_layers
 from quantpatch.config import ModeConfig
 from quantpatch.crs import CRS_FACTORS, CRS_PAIRS, add_crs_buffers, apply_online_crs
-from quantpatch.kernels.fireq_ref import crs_factors, select_crs_pairs
+from quantpatch.kernels.fireq_kv.fireq_ref import crs_factors, select_crs_pairs
 from quantpatch.modes import get_mode
 from quantpatch.w4a8_linear import W4A8Linear
 
@@ -76,7 +76,7 @@ class FireQOptions:
         crs_beta: β of CRS (FireQ: 8), default 1 for the same reason.
         cas_sites: which CAS merges to apply (subset of ``("qkv", "o", "gate_up", "down")``)
             when the mode's ``linear.cas`` is on.
-        weight_operand: ``"group"`` or ``"lut"`` (:mod:`quantpatch.kernels.w4a8_ref`).
+        weight_operand: ``"group"`` or ``"lut"`` (:mod:`quantpatch.kernels.w4a8.w4a8_ref`).
     """
 
     rpn: bool = True
@@ -248,7 +248,7 @@ def fireq_attention_ref(
 
     ``q (B, H, Nq, D)``, ``k``/``v`` ``(B, Hkv, Nk, D)`` post-RoPE; ``crs (Hkv, D)`` factors or
     None. ``kv_int4``: K and V are quantized to INT4 per token (e4m3 scales) and attended as
-    FireQ's decode does (:func:`~quantpatch.kernels.fireq_ref.fireq_decode_attention_ref`: Q FP8
+    FireQ's decode does (:func:`~quantpatch.kernels.fireq_kv.fireq_ref.fireq_decode_attention_ref`: Q FP8
     per token, P̃ FP8); used for every query, this is the cache a prefill writes, attended by
     all positions (how perplexity sees KV quantization: FireQ's own prefill reads FP8 K/V, App. D,
     yet its WikiText-2 ablation, Table 3, moves with RPN/CRS, so its perplexity attends to INT4
@@ -259,7 +259,7 @@ def fireq_attention_ref(
     """
     q, k = apply_online_crs(q, k, crs)
     if kv_int4:
-        from quantpatch.kernels.fireq_ref import fireq_decode_attention_ref
+        from quantpatch.kernels.fireq_kv.fireq_ref import fireq_decode_attention_ref
 
         out = fireq_decode_attention_ref(q, k, v, is_causal=is_causal, scale=scale, attn_mask=attn_mask,
                                          kv_operand=kv_operand)

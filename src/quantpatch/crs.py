@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantpatch.kernels.fireq_ref import apply_crs
+from quantpatch.kernels.fireq_kv.fireq_ref import apply_crs
 
 CRS_FACTORS = "quantpatch_crs_factors"
 CRS_PAIRS = "quantpatch_crs_pairs"

@@ -85,10 +85,11 @@ def load_kernels(module: str) -> None:
         register(kernels)
 
 
-FAST_PATHS_MODULE = "quantpatch.kernels.fast_paths"  # the attention kernels (registered below)
-W4A8_KERNELS_MODULE = "quantpatch.kernels.w4a8_triton"  # registered by quantpatch.w4a8_linear
+FAST_PATHS_MODULE = "quantpatch.kernels.attention.fast_paths"  # the attention kernels (registered below)
+W4A8_KERNELS_MODULE = "quantpatch.kernels.w4a8.w4a8_triton"  # registered by quantpatch.w4a8_linear
 # TurboCache's compression and decode kernels (patches/transformers/turbo_cache.py imports them by name per call)
-TURBO_KERNELS_MODULES = ("quantpatch.kernels.turbo_compress_triton", "quantpatch.kernels.turbo_decode_triton")
+TURBO_KERNELS_MODULES = ("quantpatch.kernels.turbo_kv.turbo_compress_triton",
+                         "quantpatch.kernels.turbo_kv.turbo_decode_triton")
 
 
 def _register_attention_kernels(kernels: ModuleType) -> None:
@@ -215,7 +216,7 @@ def _reference_unsupported(call: AttentionCall) -> str | None:
 
 
 def _reference_run(call: AttentionCall):
-    from quantpatch.kernels.quant_attention_ref import quant_attention_ref
+    from quantpatch.kernels.attention.quant_attention_ref import quant_attention_ref
 
     for name, t in (("q", call.q), ("k", call.k), ("v", call.v)):
         message = f"quantpatch.attention: {name} contains NaN or Inf; quantization scales would be invalid"

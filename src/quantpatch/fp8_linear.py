@@ -2,7 +2,7 @@
 
 ``patch_model(model, mode, linear="fp8")`` makes one from each linear of the transformer blocks
 (:mod:`quantpatch.patches.linears`), with no calibration. Numerics (exact, pure PyTorch):
-:mod:`quantpatch.kernels.fp8_linear_ref`::
+:mod:`quantpatch.kernels.fp8_linear.fp8_linear_ref`::
 
     s_w = absmax(W[n, :]) / 448    W_fp8 = e4m3(W / s_w)      at patch time (per output channel)
     s_x = absmax(x[m, :]) / 448    x_fp8 = e4m3(x / s_x)      per call (per token)
@@ -11,7 +11,7 @@
 ``forward`` routes once per (device, dtype, bias) in :func:`scaled_mm_unsupported`:
 
 * GPU path (CUDA sm_89+, torch ≥ 2.5 with ``torch._scaled_mm``, an output dtype that its row-wise
-  scaling takes on this GPU): the Triton kernel of :mod:`quantpatch.kernels.fp8_quant_triton` quantizes
+  scaling takes on this GPU): the Triton kernel of :mod:`quantpatch.kernels.fp8_linear.fp8_quant_triton` quantizes
   the activations in one launch (bit for bit the reference's ``x_fp8``, ``s_x``), then
   ``torch._scaled_mm(x_fp8, W_fp8ᵀ, scale_a=s_x (M, 1), scale_b=s_w (1, N), bias, out_dtype=x.dtype)``
   with ``use_fast_accum=False`` (FP8 MMA partials promoted to float32).
@@ -30,7 +30,7 @@ from torch import nn
 
 from quantpatch.fallback import SiteRecord, fall_back
 from quantpatch.kernels.device import cuda_unsupported
-from quantpatch.kernels.fp8_linear_ref import fp8_linear_ref, quantize_rows_fp8_ref
+from quantpatch.kernels.fp8_linear.fp8_linear_ref import fp8_linear_ref, quantize_rows_fp8_ref
 
 # torch._scaled_mm takes K and N multiples of 16 (cuBLASLt / CUTLASS FP8 alignment).
 SCALED_MM_MULTIPLE = 16
@@ -91,9 +91,10 @@ def scaled_mm_unsupported(device: torch.device, dtype: torch.dtype, bias: bool) 
 
 
 def _activation_quantizer() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`~quantpatch.kernels.fp8_quant_triton.quantize_activations_fp8`, its module imported on first use."""
+    """:func:`~quantpatch.kernels.fp8_linear.fp8_quant_triton.quantize_activations_fp8`, its module imported on first
+    use."""
     if not _QUANTIZER:
-        from quantpatch.kernels.fp8_quant_triton import quantize_activations_fp8
+        from quantpatch.kernels.fp8_linear.fp8_quant_triton import quantize_activations_fp8
 
         _QUANTIZER.append(quantize_activations_fp8)
     return _QUANTIZER[0]

@@ -47,8 +47,8 @@ def suggestion(cfg: AttentionConfig) -> str:
 
 def sample_cos_sim(q, k, v, cfg: AttentionConfig, *, is_causal: bool, scale: float | None) -> float:
     """CosSim of ``cfg``'s reference against float32 attention on the sample (``(B, H, S, D)`` inputs)."""
-    from quantpatch.kernels.attention_ref import attention_exact
-    from quantpatch.kernels.quant_attention_ref import quant_attention_ref
+    from quantpatch.kernels.attention.attention_ref import attention_exact
+    from quantpatch.kernels.attention.quant_attention_ref import quant_attention_ref
     from quantpatch.metrics import cos_sim
 
     hkv = min(k.shape[1], SAMPLE_HEADS)

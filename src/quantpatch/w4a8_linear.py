@@ -2,11 +2,11 @@
 
 The packed weight lives in buffers (so ``state_dict`` / safetensors carry it and ``.to()``
 moves it): ``qweight uint8 (O, Kp/2)``, ``scales float8_e4m3fn (O, G)``, ``pts_exp int32 ()``
-and an optional ``bias (O,)``. Numerics and layout: :mod:`quantpatch.kernels.w4a8_ref`.
+and an optional ``bias (O,)``. Numerics and layout: :mod:`quantpatch.kernels.w4a8.w4a8_ref`.
 
 ``forward`` goes through :func:`w4a8_matmul`, the one dispatch point: a registered fast path
 for the inputs it accepts, else the pure-PyTorch reference computing in float32 (FireQ's
-accumulator precision). The Triton kernels (:mod:`quantpatch.kernels.w4a8_triton`, FP8 dots:
+accumulator precision). The Triton kernels (:mod:`quantpatch.kernels.w4a8.w4a8_triton`, FP8 dots:
 sm_89+) are imported on the first CUDA input (or by ``patch_model``) and registered here; on other devices the
 reference is the path, and shapes the kernels do not take fall back to it with one warning.
 """
@@ -22,7 +22,7 @@ from torch import nn
 
 from quantpatch.dispatch import W4A8_KERNELS_MODULE, load_kernels, on_kernels_import
 from quantpatch.fallback import fall_back, note_implementation
-from quantpatch.kernels.w4a8_ref import (
+from quantpatch.kernels.w4a8.w4a8_ref import (
     GROUP_SIZE,
     WEIGHT_OPERANDS,
     PackedWeight,
@@ -44,7 +44,7 @@ def register_w4a8_fast_path(name: str, accepts: Callable, run: Callable) -> None
 
 
 def _register_kernels(kernels: ModuleType) -> None:
-    """The Triton kernels (:mod:`quantpatch.kernels.w4a8_triton`) as the ``"triton"`` fast path."""
+    """The Triton kernels (:mod:`quantpatch.kernels.w4a8.w4a8_triton`) as the ``"triton"`` fast path."""
 
     def accepts(x: torch.Tensor, module: W4A8Linear) -> bool:
         """Silent where the device cannot run the kernels (the reference is that device's path), one warning per
@@ -165,7 +165,7 @@ class W4A8Linear(nn.Module):
         return module
 
     def load_packed(self, packed: PackedWeight) -> None:
-        """Copy a :class:`~quantpatch.kernels.w4a8_ref.PackedWeight` into the buffers (shapes must match)."""
+        """Copy a :class:`~quantpatch.kernels.w4a8.w4a8_ref.PackedWeight` into the buffers (shapes must match)."""
         if packed.in_features != self.in_features or packed.group_size != self.group_size:
             raise ValueError(
                 f"packed weight is K={packed.in_features}, group {packed.group_size}; "
@@ -176,7 +176,7 @@ class W4A8Linear(nn.Module):
         self.pts_exp.fill_(packed.pts_exp)
 
     def packed(self) -> PackedWeight:
-        """The buffers as a :class:`~quantpatch.kernels.w4a8_ref.PackedWeight`."""
+        """The buffers as a :class:`~quantpatch.kernels.w4a8.w4a8_ref.PackedWeight`."""
         return PackedWeight(self.qweight, self.scales, int(self.pts_exp), self.in_features, self.group_size)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

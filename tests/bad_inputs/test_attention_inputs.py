@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 import quantpatch as qp
 from quantpatch.fallback import reset_fallback_warnings
-from quantpatch.kernels.attention_ref import attention_exact
-from quantpatch.kernels.quant_attention_ref import quant_attention_ref
+from quantpatch.kernels.attention.attention_ref import attention_exact
+from quantpatch.kernels.attention.quant_attention_ref import quant_attention_ref
 from quantpatch.range_check import forget_checks
 from quantpatch.synthetic import attention_inputs
 from tests.patches.conftest import tiny_model

@@ -1,5 +1,5 @@
-"""The Gluon attention kernel (:mod:`quantpatch.kernels.attn_gluon`: sage2, int8-flash) against the Triton kernel
-over the same operands.
+"""The Gluon attention kernel (:mod:`quantpatch.kernels.attention.pingpong_gluon`: sage2, int8-flash) against the
+Triton kernel over the same operands.
 
 Both compute the same numerics with key blocks of 128, but the Gluon kernel takes a program's blocks last first
 (the tail or causal diagonal block, the only masked one), so P̂ is rounded against another running max: a
@@ -16,8 +16,8 @@ permutation, route and launcher checks run everywhere.
 import pytest
 import torch
 
-from quantpatch.kernels.attention_ref import attention_exact
-from quantpatch.kernels.fast_paths import GLUON_MIN_KEYS
+from quantpatch.kernels.attention.attention_ref import attention_exact
+from quantpatch.kernels.attention.fast_paths import GLUON_MIN_KEYS
 from quantpatch.metrics import rel_l1
 from quantpatch.synthetic import attention_inputs
 from tests.gpu import DEVICE, hopper, needs_cuda
@@ -28,7 +28,7 @@ OUT_TOL = OUT_TOLS[torch.bfloat16]
 
 
 def test_wgmma_key_order_is_a_permutation_within_each_32_keys():
-    from quantpatch.kernels.attn_gluon import wgmma_key_order
+    from quantpatch.kernels.attention.pingpong_gluon import wgmma_key_order
 
     order = wgmma_key_order(96, torch.device("cpu"))
     assert sorted(order.tolist()) == list(range(96))
@@ -37,7 +37,7 @@ def test_wgmma_key_order_is_a_permutation_within_each_32_keys():
 
 
 def test_permute_v_keys_moves_whole_key_columns():
-    from quantpatch.kernels.attn_gluon import permute_v_keys, wgmma_key_order
+    from quantpatch.kernels.attention.pingpong_gluon import permute_v_keys, wgmma_key_order
 
     v = torch.randn(1, 2, 4, 64).to(torch.float8_e4m3fn)
     out = permute_v_keys(v)
@@ -49,8 +49,8 @@ def _operands(nq, nk, heads, kv_heads, mode="sage2-8b", smooth_q=True, seed=0, c
     """Quantized operands; causal ones with ΔS NaN where causal quantization leaves it unwritten (so a kernel that
     reads there gives NaN)."""
     import quantpatch as qp
-    from quantpatch.kernels import fast_paths
-    from quantpatch.kernels.qk_quant_triton import QuantizedQKV
+    from quantpatch.kernels.attention import fast_paths
+    from quantpatch.kernels.attention.qk_quant_triton import QuantizedQKV
 
     q, k, v = attention_inputs("outliers", batch=2, heads=heads, kv_heads=kv_heads, seq_q=nq, seq_k=nk,
                                head_dim=128, seed=seed)
@@ -78,8 +78,8 @@ CAUSAL_SHAPES = [(1, 1), (113, 113), (1000, 872), (239, 4079), (4096, 4096)]
     ("sage2-8b", True, 4, 3, False), ("sage2-8b", False, 3, 3, False),  # three warpgroups: ΔS rows of two q blocks
 ])
 def test_gpu_gluon_matches_the_triton_kernel(shape, mode, smooth_q, stages, warpgroups, causal):
-    from quantpatch.kernels.attn_gluon import attn_qk_int8_gluon
-    from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
+    from quantpatch.kernels.attention.pingpong_gluon import attn_qk_int8_gluon
+    from quantpatch.kernels.attention.quant_attn_triton import attn_qk_int8_pv_fp8
 
     nq, nk = (CAUSAL_SHAPES if causal else SHAPES)[shape]
     x, cfg, qkv = _operands(nq, nk, heads=4, kv_heads=2, mode=mode, smooth_q=smooth_q, seed=nq + nk, causal=causal)
@@ -107,7 +107,7 @@ def test_gluon_takes_its_numerics_from_the_route_lengths(mode, is_causal):
     """From ``GLUON_MIN_KEYS[numerics, causal]`` keys on (causal: with Nk - Nq a multiple of 128), never below; never
     on a CPU."""
     import quantpatch as qp
-    from quantpatch.kernels.fast_paths import attention_kernel, gluon_takes
+    from quantpatch.kernels.attention.fast_paths import attention_kernel, gluon_takes
 
     cfg = qp.get_mode(mode).attention
     n = GLUON_MIN_KEYS[cfg.numerics, is_causal]
@@ -120,7 +120,7 @@ def test_gluon_takes_its_numerics_from_the_route_lengths(mode, is_causal):
 @pytest.mark.parametrize("mode, head_dim", [("sage2-8b", 64), ("fireq", 128), ("turbo", 128)])
 def test_gluon_takes_neither_other_head_dims_nor_other_numerics(mode, head_dim):
     import quantpatch as qp
-    from quantpatch.kernels.fast_paths import gluon_takes
+    from quantpatch.kernels.attention.fast_paths import gluon_takes
 
     for causal in (False, True):
         assert not gluon_takes(qp.get_mode(mode).attention, head_dim, 32768, 32768, causal)
@@ -131,7 +131,7 @@ def test_gluon_takes_neither_other_head_dims_nor_other_numerics(mode, head_dim):
 def test_gluon_takes_only_per_thread_groups_it_reads_as_one_scale_a_lane(override):
     """The kernel reads δQ·δK as one value a lane and 64-key span: other groupings go to the Triton kernel."""
     import quantpatch as qp
-    from quantpatch.kernels.fast_paths import gluon_takes
+    from quantpatch.kernels.attention.fast_paths import gluon_takes
 
     cfg = qp.get_mode("sage2-8b").attention
     assert gluon_takes(cfg, 128, 4096, 4096, False)
@@ -143,7 +143,7 @@ def test_gluon_takes_only_per_thread_groups_it_reads_as_one_scale_a_lane(overrid
 def test_gluon_takes_int8_flash_only_with_its_own_steps(override):
     """Per-token Q/K, INT8 P̂ with one V scale and ℓ from P̂: variants of int8-flash go to the Triton kernel."""
     import quantpatch as qp
-    from quantpatch.kernels.fast_paths import gluon_takes
+    from quantpatch.kernels.attention.fast_paths import gluon_takes
 
     cfg = qp.get_mode("int8-flash").attention
     assert gluon_takes(cfg, 128, 32768, 32768, False)
@@ -151,7 +151,7 @@ def test_gluon_takes_int8_flash_only_with_its_own_steps(override):
 
 
 def _cpu_operands(nq, nk, v_dtype=torch.float8_e4m3fn, v_scale_shape=(1, 1, 128)):
-    from quantpatch.kernels.qk_quant_triton import QuantizedQKV
+    from quantpatch.kernels.attention.qk_quant_triton import QuantizedQKV
 
     i8, f32, empty = torch.int8, torch.float32, torch.empty(0)
     return QuantizedQKV(torch.zeros(1, 1, nq, 128, dtype=i8), torch.ones(1, 1, nq), empty,
@@ -170,7 +170,7 @@ def _cpu_operands(nq, nk, v_dtype=torch.float8_e4m3fn, v_scale_shape=(1, 1, 128)
 def test_gluon_launcher_rejects_what_the_kernel_does_not_compute(call, match):
     """Checked before anything reaches the GPU: an unaligned causal diagonal, a schedule the call cannot take,
     unknown Q/K groups, V operands of neither numerics."""
-    from quantpatch.kernels.attn_gluon import attn_qk_int8_gluon
+    from quantpatch.kernels.attention.pingpong_gluon import attn_qk_int8_gluon
 
     shapes = {key: call.pop(key) for key in ("nq", "v_dtype", "v_scale_shape") if key in call}
     x = _cpu_operands(shapes.pop("nq"), call["nk"], **shapes)
@@ -190,11 +190,11 @@ def test_gluon_launcher_rejects_what_the_kernel_does_not_compute(call, match):
 def test_gpu_public_api_routes_long_calls(mode, causal, nq, nk, route):
     """``quantpatch.attention`` returns the output of the kernel its route names bit for bit (same operands)."""
     import quantpatch as qp
-    from quantpatch.kernels import fast_paths
-    from quantpatch.kernels.attn_gluon import attn_qk_int8_gluon
-    from quantpatch.kernels.attn_qk_int8_pv_fp8_sm90 import attn_qk_int8_pv_fp8_sm90
-    from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
-    from quantpatch.kernels.qk_quant_triton import QuantizedQKV
+    from quantpatch.kernels.attention import fast_paths
+    from quantpatch.kernels.attention.one_warpgroup_gluon import attn_qk_int8_pv_fp8_sm90
+    from quantpatch.kernels.attention.pingpong_gluon import attn_qk_int8_gluon
+    from quantpatch.kernels.attention.qk_quant_triton import QuantizedQKV
+    from quantpatch.kernels.attention.quant_attn_triton import attn_qk_int8_pv_fp8
 
     q, k, v = attention_inputs("outliers", batch=1, heads=4, kv_heads=2, seq_q=nq, seq_k=nk, head_dim=128, seed=3)
     q, k, v = (t.to("cuda", torch.bfloat16) for t in (q, k, v))
@@ -223,8 +223,8 @@ def test_gpu_later_calls_of_a_shape_relaunch_the_compiled_kernels(nk):
     """A shape's first call goes through ``JITFunction.run``; later ones go to the compiled kernels' launchers
     (``compiled_launch.LaunchPlans``, no new plan) and give the bits a first call gives, for new inputs too."""
     import quantpatch as qp
-    from quantpatch.kernels.fast_paths import PREFILL_PLANS as plans
-    from quantpatch.kernels.fast_paths import SM90_MIN_KEYS
+    from quantpatch.kernels.attention.fast_paths import PREFILL_PLANS as plans
+    from quantpatch.kernels.attention.fast_paths import SM90_MIN_KEYS
 
     min_keys = SM90_MIN_KEYS[False]
     a, b = (tuple(t.to("cuda", torch.bfloat16) for t in attention_inputs(
@@ -250,9 +250,9 @@ def test_quantization_writes_v_in_the_gluon_key_order_when_asked():
     """``v_key_order=True``: ``v_hat_t`` bit for bit the plain one through :func:`permute_v_keys` (and back), every
     other output unchanged (interpreter in CI, compiled on a GPU)."""
     import quantpatch as qp
-    from quantpatch.kernels import fast_paths
-    from quantpatch.kernels.attn_gluon import permute_v_keys
-    from quantpatch.kernels.qk_quant_triton import quantize_qkv
+    from quantpatch.kernels.attention import fast_paths
+    from quantpatch.kernels.attention.pingpong_gluon import permute_v_keys
+    from quantpatch.kernels.attention.qk_quant_triton import quantize_qkv
 
     q, k, v = (t.to(DEVICE, torch.float16) for t in attention_inputs(
         "outliers", batch=1, heads=2, kv_heads=1, seq_q=40, seq_k=200, head_dim=64, seed=5))
@@ -269,7 +269,7 @@ def test_quantization_writes_v_in_the_gluon_key_order_when_asked():
 
 @pytest.mark.parametrize("options", [dict(block_k=16), dict(v_granularity="block", pv_format="int8")])
 def test_v_key_order_rejects_key_blocks_it_would_cross(options):
-    from quantpatch.kernels.qk_quant_triton import quantize_qkv
+    from quantpatch.kernels.attention.qk_quant_triton import quantize_qkv
 
     q = torch.zeros(1, 1, 8, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="v_key_order"):

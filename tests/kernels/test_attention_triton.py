@@ -38,9 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from quantpatch.kernels.attention_ref import attention_exact
-from quantpatch.kernels.qk_quant_triton import _div_by
-from quantpatch.kernels.quant_attention_ref import quant_attention_ref
+from quantpatch.kernels.attention.attention_ref import attention_exact
+from quantpatch.kernels.attention.quant_attention_ref import quant_attention_ref
+from quantpatch.kernels.rounding_triton import _div_by
 from quantpatch.metrics import rel_l1
 from quantpatch.modes import get_mode
 from quantpatch.synthetic import attention_inputs
@@ -71,7 +71,7 @@ def _inputs(nq, nk, *, d=64, heads=4, kv_heads=2, batch=1, dtype=torch.float16, 
 
 
 def _quant_kw(mode):
-    from quantpatch.kernels.fast_paths import quant_options
+    from quantpatch.kernels.attention.fast_paths import quant_options
 
     return quant_options(get_mode(mode).attention)
 
@@ -79,7 +79,12 @@ def _quant_kw(mode):
 def _check_quantization(q, k, v, kw, is_causal=False):
     """Every quantized value and scale of the kernels equals the reference's; the means and ΔS within rounding
     (ΔS where it is written: causal calls leave the key tiles no causal kernel reads)."""
-    from quantpatch.kernels.qk_quant_triton import QuantizedQKV, delta_s_written, quantize_qkv, quantize_qkv_ref
+    from quantpatch.kernels.attention.qk_quant_triton import (
+        QuantizedQKV,
+        delta_s_written,
+        quantize_qkv,
+        quantize_qkv_ref,
+    )
 
     out = QuantizedQKV(*(t.cpu() for t in quantize_qkv(q, k, v, **kw, is_causal=is_causal)))
     q, k, v = q.cpu(), k.cpu(), v.cpu()
@@ -138,7 +143,7 @@ def test_statistics_of_a_head_over_many_programs():
     finishes a head's last chunk reduces every chunk's partials (a ticket), so each must be visible to it. On the
     GPU the allocator's free memory is first filled with NaN, so a partial read before it was written shows;
     two calls must agree bit for bit (a fixed reduction order), and the means match float64 ones."""
-    from quantpatch.kernels.qk_quant_triton import STATS_TILE, STATS_TILES, quantize_qkv
+    from quantpatch.kernels.attention.qk_quant_triton import STATS_TILE, STATS_TILES, quantize_qkv
 
     nk = 3 * STATS_TILE * STATS_TILES + 5  # four chunks, the last one partial
     q, k, v = _inputs(64, nk, kind="outliers", seed=3)
@@ -188,7 +193,7 @@ def test_division_is_the_ieee_quotient():
 
 
 def _attention(q, k, v, cfg, *, is_causal, blocks=None):
-    from quantpatch.kernels.fast_paths import quantized_attention
+    from quantpatch.kernels.attention.fast_paths import quantized_attention
 
     return quantized_attention(q, k, v, cfg, is_causal=is_causal, return_lse=True, blocks=blocks)
 
@@ -245,7 +250,7 @@ def test_attention_smooth_v(is_causal):
 def nan_where_unwritten(x, nq, nk, kw, *, is_causal):
     """``x`` with ΔS NaN where quantization with ``is_causal`` leaves it unwritten (``delta_s_written``), so that a
     kernel reading there gives NaN; ``kw`` the quantization options (``block_q``, ``pad_to``)."""
-    from quantpatch.kernels.qk_quant_triton import delta_s_written
+    from quantpatch.kernels.attention.qk_quant_triton import delta_s_written
 
     if not x.delta_s.numel():
         return x
@@ -259,9 +264,9 @@ def test_causal_quantization_writes_the_delta_s_that_causal_kernels_read(nq, nk)
     """Causal quantization leaves ΔS's key tiles past each query block's diagonal unwritten. What it writes equals
     the reference; and with the rest NaN the causal Triton kernel (the reference's tiles and the production ones)
     gives the bits it gives over the full ΔS, so it reads none of them. (300, 170): rows that see no key."""
-    from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
-    from quantpatch.kernels.fast_paths import kernel_blocks, quant_options
-    from quantpatch.kernels.qk_quant_triton import quantize_qkv
+    from quantpatch.kernels.attention.fast_paths import kernel_blocks, quant_options
+    from quantpatch.kernels.attention.qk_quant_triton import quantize_qkv
+    from quantpatch.kernels.attention.quant_attn_triton import attn_qk_int8_pv_fp8
 
     cfg = get_mode("sage2-8b", smooth_q=True).attention  # ΔS exists only with smooth Q
     kw = quant_options(cfg)
@@ -278,7 +283,7 @@ def test_causal_quantization_writes_the_delta_s_that_causal_kernels_read(nq, nk)
 
 
 def test_custom_op_fake_shapes_match_the_kernels():
-    from quantpatch.kernels import fast_paths
+    from quantpatch.kernels.attention import fast_paths
 
     q, k, v = _inputs(17, 113)
     options = fast_paths.quant_options(get_mode("sage2-8b").attention)
@@ -294,7 +299,7 @@ def test_custom_op_fake_shapes_match_the_kernels():
 
 def test_unsupported_reasons():
     from quantpatch.dispatch import AttentionCall
-    from quantpatch.kernels.fast_paths import call_unsupported, config_unsupported
+    from quantpatch.kernels.attention.fast_paths import call_unsupported, config_unsupported
 
     q, k, v = _inputs(17, 17)
     cfg = get_mode("sage2-8b").attention

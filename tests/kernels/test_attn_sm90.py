@@ -1,4 +1,4 @@
-"""The one-warpgroup Gluon kernel (:mod:`quantpatch.kernels.attn_qk_int8_pv_fp8_sm90`: sage2 without smooth Q,
+"""The one-warpgroup Gluon kernel (:mod:`quantpatch.kernels.attention.one_warpgroup_gluon`: sage2 without smooth Q,
 int8-flash) against the Triton kernel over the same operands.
 
 Both take key blocks of 128, but this kernel takes a program's blocks last first (the tail or causal diagonal
@@ -12,7 +12,7 @@ the launcher's checks run everywhere.
 import pytest
 import torch
 
-from quantpatch.kernels.attention_ref import attention_exact
+from quantpatch.kernels.attention.attention_ref import attention_exact
 from quantpatch.metrics import rel_l1
 from quantpatch.synthetic import attention_inputs
 from tests.gpu import hopper, needs_cuda
@@ -27,8 +27,8 @@ CAUSAL_SHAPES = [(1, 1), (113, 203), (239, 113), (1000, 1000), (203, 4096)]  # (
 def _operands(nq, nk, head_dim, mode, seed):
     """bf16 inputs with outliers (GQA: 4 heads over 2) and their quantized operands, Vᵀ's keys in the wgmma order."""
     import quantpatch as qp
-    from quantpatch.kernels import fast_paths
-    from quantpatch.kernels.qk_quant_triton import quantize_qkv
+    from quantpatch.kernels.attention import fast_paths
+    from quantpatch.kernels.attention.qk_quant_triton import quantize_qkv
 
     q, k, v = attention_inputs("outliers", batch=2, heads=4, kv_heads=2, seq_q=nq, seq_k=nk, head_dim=head_dim,
                                seed=seed)
@@ -45,9 +45,9 @@ def _operands(nq, nk, head_dim, mode, seed):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("mode, stages", [("sage2-8b", 1), ("sage2-8b", 2), ("int8-flash", 2)])
 def test_gpu_sm90_matches_the_triton_kernel(shape, causal, head_dim, mode, stages):
-    from quantpatch.kernels.attn_gluon import permute_v_keys
-    from quantpatch.kernels.attn_qk_int8_pv_fp8_sm90 import attn_qk_int8_pv_fp8_sm90
-    from quantpatch.kernels.attn_qk_int8_pv_fp8_triton import attn_qk_int8_pv_fp8
+    from quantpatch.kernels.attention.one_warpgroup_gluon import attn_qk_int8_pv_fp8_sm90
+    from quantpatch.kernels.attention.pingpong_gluon import permute_v_keys
+    from quantpatch.kernels.attention.quant_attn_triton import attn_qk_int8_pv_fp8
 
     nq, nk = (CAUSAL_SHAPES if causal else SHAPES)[shape]
     x, cfg, qkv = _operands(nq, nk, head_dim, mode, seed=nq + nk + head_dim)
@@ -75,7 +75,7 @@ def test_gpu_sm90_matches_the_triton_kernel(shape, causal, head_dim, mode, stage
 @hopper
 def test_gpu_sm90_without_lse_gives_the_same_output():
     """The LSE switch compiles another kernel: its output bits are the ones with the LSE."""
-    from quantpatch.kernels.attn_qk_int8_pv_fp8_sm90 import attn_qk_int8_pv_fp8_sm90
+    from quantpatch.kernels.attention.one_warpgroup_gluon import attn_qk_int8_pv_fp8_sm90
 
     x, cfg, _ = _operands(300, 1000, 128, "sage2-8b", seed=7)
     out, lse = attn_qk_int8_pv_fp8_sm90(x, 1000, is_causal=True)
@@ -85,7 +85,7 @@ def test_gpu_sm90_without_lse_gives_the_same_output():
 
 
 def _cpu_operands(head_dim=128, v_dtype=torch.float8_e4m3fn, v_scale_shape=(1, 1, 128), delta_s=(0,)):
-    from quantpatch.kernels.qk_quant_triton import QuantizedQKV
+    from quantpatch.kernels.attention.qk_quant_triton import QuantizedQKV
 
     i8, f32, empty = torch.int8, torch.float32, torch.empty(0)
     return QuantizedQKV(torch.zeros(1, 1, 100, head_dim, dtype=i8), torch.ones(1, 1, 100), empty,
@@ -103,7 +103,7 @@ def _cpu_operands(head_dim=128, v_dtype=torch.float8_e4m3fn, v_scale_shape=(1, 1
 def test_sm90_launcher_rejects_what_the_kernel_does_not_compute(operands, call, match):
     """Checked before anything reaches the GPU: ΔS (smooth Q), other head dims, unknown Q/K groups, V operands of
     neither numerics."""
-    from quantpatch.kernels.attn_qk_int8_pv_fp8_sm90 import attn_qk_int8_pv_fp8_sm90
+    from quantpatch.kernels.attention.one_warpgroup_gluon import attn_qk_int8_pv_fp8_sm90
 
     with pytest.raises(ValueError, match=match):
         attn_qk_int8_pv_fp8_sm90(_cpu_operands(**operands), 100, **call)
@@ -120,7 +120,7 @@ def test_route_prefers_the_sm90_kernel_where_it_measured_faster(monkeypatch, mod
     """On an sm_90 device (the gate mocked open): sage2 without smooth Q and int8-flash from SM90_MIN_KEYS keys,
     smooth Q (sage2-4b) on the ping-pong kernel at D=128, everything else on the Triton kernel; on a CPU, Triton."""
     import quantpatch as qp
-    from quantpatch.kernels import fast_paths
+    from quantpatch.kernels.attention import fast_paths
 
     if fast_paths._attn_sm90 is None:
         pytest.skip(f"the Gluon kernels do not import here: {fast_paths._GLUON_IMPORT_ERROR}")

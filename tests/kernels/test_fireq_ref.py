@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from quantpatch.kernels.attention_ref import attention_exact, expand_kv
-from quantpatch.kernels.fireq_ref import (
+from quantpatch.kernels.attention.attention_ref import attention_exact, expand_kv
+from quantpatch.kernels.attention.quant_attention_ref import quantize_qk
+from quantpatch.kernels.fireq_kv.fireq_ref import (
     PackedInt4,
     apply_crs,
     channel_absmax,
@@ -28,7 +29,6 @@ from quantpatch.kernels.fireq_ref import (
     select_crs_pairs,
     unpack_int4_signed,
 )
-from quantpatch.kernels.quant_attention_ref import quantize_qk
 from quantpatch.kernels.quant_ref import cast_fp8
 from quantpatch.metrics import cos_sim, rel_l1
 from quantpatch.modes import get_mode

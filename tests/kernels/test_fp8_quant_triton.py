@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from quantpatch.fp8_linear import FP8Linear, fp8_linear_scaled_mm
-from quantpatch.kernels.fp8_linear_ref import fp8_linear_ref, quantize_rows_fp8_ref
-from quantpatch.kernels.fp8_quant_triton import ROW_BLOCK, fp8_quantize_rows_op, quantize_rows_fp8
+from quantpatch.kernels.fp8_linear.fp8_linear_ref import fp8_linear_ref, quantize_rows_fp8_ref
+from quantpatch.kernels.fp8_linear.fp8_quant_triton import ROW_BLOCK, fp8_quantize_rows_op, quantize_rows_fp8
 from quantpatch.metrics import rel_l1
 from tests.gpu import DEVICE, needs_cuda
 

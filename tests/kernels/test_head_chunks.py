@@ -8,7 +8,7 @@ import torch
 import quantpatch as qp
 from tests.gpu import needs_cuda
 
-fast_paths = pytest.importorskip("quantpatch.kernels.fast_paths", reason="Triton is not installed")
+fast_paths = pytest.importorskip("quantpatch.kernels.attention.fast_paths", reason="Triton is not installed")
 
 SAGE4 = qp.get_mode("sage2-4b").attention
 

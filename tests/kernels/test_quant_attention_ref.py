@@ -5,8 +5,8 @@ import torch
 
 import quantpatch as qp
 from quantpatch.config import AttentionConfig
-from quantpatch.kernels.attention_ref import attention_exact
-from quantpatch.kernels.quant_attention_ref import block_mean, quant_attention_ref
+from quantpatch.kernels.attention.attention_ref import attention_exact
+from quantpatch.kernels.attention.quant_attention_ref import block_mean, quant_attention_ref
 from quantpatch.synthetic import attention_inputs
 from tests.tolerances import FLOAT32_ENGINE_RTOL, OUTLIER_COS_FLOOR, RANDN_COS_FLOOR
 

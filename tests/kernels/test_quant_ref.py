@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from quantpatch.kernels.attention.sas_ref import sas_exp, sas_lut
 from quantpatch.kernels.quant_ref import (
     cast_fp8,
     dequantize_asymmetric_int,
@@ -12,7 +13,6 @@ from quantpatch.kernels.quant_ref import (
     token_group_index,
     truncate_fp22,
 )
-from quantpatch.kernels.sas_ref import sas_exp, sas_lut
 
 
 def groups_as_sets(index: torch.Tensor) -> list[set[int]]:

@@ -1,4 +1,4 @@
-"""The Gluon TurboAttention decode kernel (``kernels/turbo_decode_gluon.py``) against ``turbo_ref``.
+"""The Gluon TurboAttention decode kernel (``kernels/turbo_kv/turbo_decode_gluon.py``) against ``turbo_ref``.
 
 Gluon has no interpreter: the kernel's tests run on an sm_90 GPU (``gpu`` marker), with the bounds of
 ``test_turbo_triton.py`` (same numerics): one split follows the reference operation for operation (the
@@ -12,17 +12,18 @@ import logging
 import pytest
 import torch
 
-from quantpatch.kernels import turbo_decode_splits
-from quantpatch.kernels import turbo_decode_triton as tdt
-from quantpatch.kernels.attention_ref import attention_exact
-from quantpatch.kernels.turbo_ref import turbo_decode_attention_ref, turbo_decompress_kv_ref
+from quantpatch.kernels.attention.attention_ref import attention_exact
+from quantpatch.kernels.turbo_kv import turbo_decode_splits
+from quantpatch.kernels.turbo_kv import turbo_decode_triton as tdt
+from quantpatch.kernels.turbo_kv.turbo_ref import turbo_decode_attention_ref, turbo_decompress_kv_ref
 from quantpatch.metrics import rel_l1
 from quantpatch.synthetic import attention_inputs
 from tests.gpu import DEVICE, needs_cuda
 from tests.kernels.test_turbo_triton import SINGLE_SPLIT_REL_L1, SPLIT_NOISE_FACTOR, _cache, _to, _to_cpu
 
 gpu = pytest.mark.gpu
-tdg = pytest.importorskip("quantpatch.kernels.turbo_decode_gluon", reason="triton.experimental.gluon is missing")
+tdg = pytest.importorskip("quantpatch.kernels.turbo_kv.turbo_decode_gluon",
+                          reason="triton.experimental.gluon is missing")
 
 
 def _on_sm90() -> bool:
@@ -158,8 +159,8 @@ def test_gpu_gluon_decode_splits_are_as_accurate_as_the_reference(n, splits, k_b
 def test_gpu_gluon_decode_on_the_compression_kernels_layout(splits):
     """Codes stored as ``turbo_compress_blocks`` stores them (one tensor per width: the regular-head path, no
     offset table): one split follows the reference, the default splits are as accurate as it."""
-    from quantpatch.kernels.turbo_compress_triton import turbo_compress_blocks
-    from quantpatch.kernels.turbo_ref import turbo_compress_kv_ref
+    from quantpatch.kernels.turbo_kv.turbo_compress_triton import turbo_compress_blocks
+    from quantpatch.kernels.turbo_kv.turbo_ref import turbo_compress_kv_ref
 
     _, k, v = attention_inputs("outliers", batch=2, heads=8, kv_heads=8, seq_q=1, seq_k=64 * 30 + 9, head_dim=128,
                                seed=21)

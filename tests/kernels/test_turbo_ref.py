@@ -1,4 +1,4 @@
-"""TurboAttention KV-cache reference (kernels/turbo_ref.py): BPQ, packing, buffer, memory, priority, decode."""
+"""TurboAttention KV-cache reference (kernels/turbo_kv/turbo_ref.py): BPQ, packing, buffer, memory, priority, decode."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from quantpatch.kernels.attention_ref import attention_exact
+from quantpatch.kernels.attention.attention_ref import attention_exact
+from quantpatch.kernels.attention.sas_ref import sas_exp
 from quantpatch.kernels.quant_ref import quantize_tokens
-from quantpatch.kernels.sas_ref import sas_exp
-from quantpatch.kernels.turbo_ref import (
+from quantpatch.kernels.turbo_kv.turbo_ref import (
     TURBO_QMAX,
     CompressedKV,
     Int8Buffer,

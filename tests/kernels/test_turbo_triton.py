@@ -27,10 +27,10 @@ import warnings
 import pytest
 import torch
 
-from quantpatch.kernels.attention_ref import attention_exact
-from quantpatch.kernels.turbo_compress_triton import turbo_compress_blocks, turbo_compress_int8_blocks
-from quantpatch.kernels.turbo_decode_triton import _WORKSPACES, decode_unsupported, turbo_decode_attention
-from quantpatch.kernels.turbo_ref import (
+from quantpatch.kernels.attention.attention_ref import attention_exact
+from quantpatch.kernels.turbo_kv.turbo_compress_triton import turbo_compress_blocks, turbo_compress_int8_blocks
+from quantpatch.kernels.turbo_kv.turbo_decode_triton import _WORKSPACES, decode_unsupported, turbo_decode_attention
+from quantpatch.kernels.turbo_kv.turbo_ref import (
     decode_attention_config,
     turbo_append_ref,
     turbo_compress_kv_ref,

@@ -1,4 +1,4 @@
-"""The Gluon W4A8 decode kernel (:mod:`quantpatch.kernels.w4a8_gluon`) against :func:`w4a8_linear_ref`.
+"""The Gluon W4A8 decode kernel (:mod:`quantpatch.kernels.w4a8.w4a8_gluon`) against :func:`w4a8_linear_ref`.
 
 Same operands (its fused quantization is bit-exact with the Triton one and the reference) and the same fp32
 operations on the same exact products as the Triton decode kernel, so the same forward-error bound holds
@@ -9,16 +9,16 @@ selection logic is tested on the CPU in ``test_w4a8_triton.py``.
 import pytest
 import torch
 
-from quantpatch.kernels import w4a8_scratch
 from quantpatch.kernels.compiled_launch import stream_key
-from quantpatch.kernels.w4a8_ref import w4a8_linear_ref
+from quantpatch.kernels.w4a8 import w4a8_scratch
+from quantpatch.kernels.w4a8.w4a8_ref import w4a8_linear_ref
 from tests.gpu import hopper, needs_cuda
 from tests.kernels.test_w4a8_triton import _assert_within_bound, _error_bound, _layer, _randn
 
 
 def _check(m, n, k, *, seed, gps=None, gpc=None, pts=True, bias=True, dtype=torch.bfloat16):
-    from quantpatch.kernels import w4a8_gluon as wg
-    from quantpatch.kernels import w4a8_triton as wt
+    from quantpatch.kernels.w4a8 import w4a8_gluon as wg
+    from quantpatch.kernels.w4a8 import w4a8_triton as wt
 
     packed, (qw, sc, pe, b) = _layer(n, k, seed=seed, pts=pts, bias=bias)
     x = _randn(m, k, seed=seed + 2).to(dtype)
@@ -37,7 +37,7 @@ def _check(m, n, k, *, seed, gps=None, gpc=None, pts=True, bias=True, dtype=torc
                                        (4096, 14336, 16)])
 def test_gpu_gluon_gemm_matches_reference(m, n, k, gps):
     """Every output within the reference's forward-error bound; split-K tickets back at 0; deterministic."""
-    from quantpatch.kernels import w4a8_gluon as wg
+    from quantpatch.kernels.w4a8 import w4a8_gluon as wg
 
     y, ops = _check(m, n, k, seed=m + n + k, gps=gps)
     assert not w4a8_scratch._SCRATCH[(stream_key(y.device), "gluon_counters")].any()
@@ -51,7 +51,7 @@ def test_gpu_gluon_gemm_matches_reference(m, n, k, gps):
                                                (1, 1000, 14336, 28, 1)])
 def test_gpu_gluon_gemm_chunks(m, n, k, gps, gpc):
     """Other chunk sizes (groups loaded at once) and run lengths: within the bound, deterministic."""
-    from quantpatch.kernels import w4a8_gluon as wg
+    from quantpatch.kernels.w4a8 import w4a8_gluon as wg
 
     y, ops = _check(m, n, k, seed=m + k + gpc, gps=gps, gpc=gpc)
     assert torch.equal(wg.w4a8_gemm_gluon(*ops, torch.bfloat16, gps=gps, gpc=gpc), y)
@@ -75,8 +75,8 @@ def test_gpu_gluon_layer(m, n, k, dtype):
     """The layer: output bit for bit that of quantizing first (:func:`quantize_activation_fp8`, fragment order)
     and then the Gluon GEMM; fused (K ≤ DECODE_QBLOCK, one launch) x̂ and β in the workspace bit for bit those of
     :func:`quantize_activation_fp8` and the flag, count and tickets back at 0; deterministic."""
-    from quantpatch.kernels import w4a8_gluon as wg
-    from quantpatch.kernels import w4a8_triton as wt
+    from quantpatch.kernels.w4a8 import w4a8_gluon as wg
+    from quantpatch.kernels.w4a8 import w4a8_triton as wt
 
     _, (qw, sc, pe, b) = _layer(n, k, seed=m + k)
     x = (_randn(m, k, seed=k + 1) * _randn(1, k, seed=2).exp()).to(dtype).cuda()
@@ -98,8 +98,8 @@ def test_gpu_gluon_layer(m, n, k, dtype):
 def test_gpu_gluon_layer_under_a_cuda_graph_and_against_the_triton_layer():
     """The fused layer captured once and replayed on new inputs: the eager result bit for bit, and within the
     bound's distance of the Triton decode path on the same inputs."""
-    from quantpatch.kernels import w4a8_gluon as wg
-    from quantpatch.kernels import w4a8_triton as wt
+    from quantpatch.kernels.w4a8 import w4a8_gluon as wg
+    from quantpatch.kernels.w4a8 import w4a8_triton as wt
 
     packed, (qw, sc, pe, b) = _layer(4096, 4096, seed=40)
     x = _randn(16, 4096, seed=41).to(torch.bfloat16).cuda()
@@ -149,10 +149,10 @@ def test_gpu_module_runs_the_gluon_kernels(shape):
 @needs_cuda
 @hopper
 def test_gpu_gluon_launch_plans_follow_the_callers_layout_and_stream():
-    """Launch plans (:func:`~quantpatch.kernels.w4a8_gluon._launch`): ``x (16, 1024)`` 2 bytes off 16-byte
+    """Launch plans (:func:`~quantpatch.kernels.w4a8.w4a8_gluon._launch`): ``x (16, 1024)`` 2 bytes off 16-byte
     alignment, with a longer row stride, and on a side stream, each called twice (first through
     ``JITFunction.run``, then the plan): the bits of the aligned contiguous call; every stream's counters at 0."""
-    from quantpatch.kernels import w4a8_gluon as wg
+    from quantpatch.kernels.w4a8 import w4a8_gluon as wg
 
     _, (qw, sc, pe, b) = _layer(512, 1024, seed=70)
     flat = _randn(1, 16 * 1032 + 1, seed=71).to(torch.bfloat16).cuda()
@@ -176,7 +176,7 @@ def test_gpu_gluon_launch_plans_follow_the_callers_layout_and_stream():
 def test_weight_words_rejects_views_the_words_cannot_be_read_from():
     """Both Gluon GEMMs read qweight as int32 words: a row stride or an address off a multiple of 4 is a clear
     ValueError on the host, not a torch view error or a misaligned load."""
-    from quantpatch.kernels.w4a8_gluon_operand import weight_words
+    from quantpatch.kernels.w4a8.w4a8_gluon_operand import weight_words
 
     q = torch.arange(4 * 68, dtype=torch.int32).to(torch.uint8).view(4, 68)
     words = weight_words(q[:, :64].contiguous())
@@ -191,7 +191,7 @@ def test_weight_words_rejects_views_the_words_cannot_be_read_from():
 def test_gemm_takes_only_contiguous_e4m3_x_hat():
     """``w4a8_gemm_gluon`` reads x̂ as e4m3 bytes in fragment order: another dtype or a strided view is a ValueError
     on the host, before any launch."""
-    from quantpatch.kernels import w4a8_gluon as wg
+    from quantpatch.kernels.w4a8 import w4a8_gluon as wg
 
     qw = torch.zeros(64, 64, dtype=torch.uint8)
     sc = torch.ones(64, 1).to(torch.float8_e4m3fn)

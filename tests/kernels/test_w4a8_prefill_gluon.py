@@ -1,4 +1,4 @@
-"""The Gluon W4A8 prefill GEMM (:mod:`quantpatch.kernels.w4a8_prefill_gluon`) against :func:`w4a8_linear_ref`, and
+"""The Gluon W4A8 prefill GEMM (:mod:`quantpatch.kernels.w4a8.w4a8_prefill_gluon`) against :func:`w4a8_linear_ref`, and
 the fragment-order activation quantization it reads.
 
 The kernel computes the products of the tiled Triton kernel (FP8 wgmma, one group's 128 products into a fresh
@@ -11,8 +11,8 @@ magnitude. GPU only (Gluon has no interpreter), sm_90; the quantization runs eve
 import pytest
 import torch
 
-from quantpatch.kernels import w4a8_act_quant_triton as wq
-from quantpatch.kernels.w4a8_ref import GROUP_SIZE
+from quantpatch.kernels.w4a8 import w4a8_act_quant_triton as wq
+from quantpatch.kernels.w4a8.w4a8_ref import GROUP_SIZE
 from tests.gpu import DEVICE, hopper, needs_cuda
 from tests.kernels.test_w4a8_triton import _assert_within_bound, _layer, _randn
 
@@ -39,7 +39,7 @@ def test_fragment_order_quantization_is_the_plain_one_reordered(m, k):
 def test_quantization_of_many_long_rows_in_chunks(monkeypatch):
     """More than 16 tokens of rows longer than two chunks: chunked passes (``LONG_ROW_CHUNK``, shrunk here), bit
     for bit the reference, in both orders."""
-    from quantpatch.kernels.w4a8_ref import quantize_activation_fp8 as quantize_ref
+    from quantpatch.kernels.w4a8.w4a8_ref import quantize_activation_fp8 as quantize_ref
 
     monkeypatch.setattr(wq, "LONG_ROW_CHUNK", 128)
     x = _randn(18, 640, seed=4, scale=2.0).to(torch.bfloat16)
@@ -53,7 +53,7 @@ def test_quantization_of_many_long_rows_in_chunks(monkeypatch):
 @pytest.mark.parametrize("options", [dict(stages=0), dict(block_t=100), dict(block_t=512)])
 def test_prefill_gemm_rejects_bad_tiles_before_any_launch(options):
     """Checked on the host (CPU tensors here), so a bad tile never reaches the kernel's compile or launch."""
-    from quantpatch.kernels import w4a8_prefill_gluon as wp
+    from quantpatch.kernels.w4a8 import w4a8_prefill_gluon as wp
 
     qw = torch.zeros(128, 64, dtype=torch.uint8)
     sc = torch.ones(128, 1).to(torch.float8_e4m3fn)
@@ -68,7 +68,7 @@ def test_fragment_order_needs_whole_groups():
 
 
 def _check(m, n, k, *, seed, pts=True, bias=True, dtype=torch.bfloat16, **options):
-    from quantpatch.kernels import w4a8_prefill_gluon as wp
+    from quantpatch.kernels.w4a8 import w4a8_prefill_gluon as wp
 
     packed, (qw, sc, pe, b) = _layer(n, k, seed=seed, pts=pts, bias=bias)
     x = _randn(m, k, seed=seed + 2).to(dtype)
@@ -111,8 +111,8 @@ def test_gpu_prefill_gemm_options(pts, bias, dtype):
 @hopper
 def test_gpu_prefill_gemm_full_int4_range():
     """Weights at −8 (a subnormal σ lets ŵ reach it) and 7: every nibble value through the e4m3 conversion."""
-    from quantpatch.kernels import w4a8_prefill_gluon as wp
-    from quantpatch.kernels.w4a8_ref import PackedWeight
+    from quantpatch.kernels.w4a8 import w4a8_prefill_gluon as wp
+    from quantpatch.kernels.w4a8.w4a8_ref import PackedWeight
 
     n, k = 128, 256
     codes = torch.arange(n * k // 2, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(n, k // 2)
@@ -129,7 +129,7 @@ def test_gpu_prefill_gemm_full_int4_range():
 @needs_cuda
 @hopper
 def test_gpu_prefill_layer_is_quantize_then_gemm():
-    from quantpatch.kernels import w4a8_prefill_gluon as wp
+    from quantpatch.kernels.w4a8 import w4a8_prefill_gluon as wp
 
     y, (x, qw, sc, pe, b) = _check(200, 384, 512, seed=11)
     assert torch.equal(wp.w4a8_linear_prefill_gluon(x.cuda(), qw, sc, pe, b), y)
@@ -139,7 +139,7 @@ def test_gpu_prefill_layer_is_quantize_then_gemm():
 @needs_cuda
 @hopper
 def test_gpu_prefill_gemm_rejects_bad_operands():
-    from quantpatch.kernels import w4a8_prefill_gluon as wp
+    from quantpatch.kernels.w4a8 import w4a8_prefill_gluon as wp
 
     _, (qw, sc, pe, b) = _layer(256, 512, seed=1)
     x_hat = torch.zeros(16, 512, device="cuda", dtype=torch.float8_e4m3fn)

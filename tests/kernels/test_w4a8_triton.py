@@ -1,4 +1,4 @@
-"""FireQ W4A8-FP Triton kernels against :mod:`quantpatch.kernels.w4a8_ref`.
+"""FireQ W4A8-FP Triton kernels against :mod:`quantpatch.kernels.w4a8.w4a8_ref`.
 
 Without CUDA the kernels run in the Triton interpreter (``conftest.py``) on small shapes; the
 interpreter runs the FP8 ``tl.dot`` too (in fp32 over the exact e4m3 values, checked below against
@@ -30,11 +30,11 @@ import torch
 
 from quantpatch.dispatch import W4A8_KERNELS_MODULE, load_kernels
 from quantpatch.fallback import QuantpatchFallbackWarning, SiteRecord, reset_fallback_warnings, running_site
-from quantpatch.kernels import w4a8_act_quant_triton as wq
-from quantpatch.kernels import w4a8_scratch
-from quantpatch.kernels import w4a8_triton as wt
-from quantpatch.kernels.gluon_gate import gluon_reason
-from quantpatch.kernels.w4a8_ref import (
+from quantpatch.kernels.device import gluon_reason
+from quantpatch.kernels.w4a8 import w4a8_act_quant_triton as wq
+from quantpatch.kernels.w4a8 import w4a8_scratch
+from quantpatch.kernels.w4a8 import w4a8_triton as wt
+from quantpatch.kernels.w4a8.w4a8_ref import (
     GROUP_SIZE,
     quantize_activation_fp8,
     quantize_weight,

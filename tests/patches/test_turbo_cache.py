@@ -20,7 +20,7 @@ from quantpatch.calibration_turbo import (
     random_head_precision,
 )
 from quantpatch.cli_commands import load_eval_script
-from quantpatch.kernels.turbo_ref import (
+from quantpatch.kernels.turbo_kv.turbo_ref import (
     head_priority,
     turbo_append_ref,
     turbo_compress_kv_ref,

@@ -7,8 +7,8 @@ import torch
 
 import quantpatch as qp
 from quantpatch.fallback import reset_fallback_warnings
-from quantpatch.kernels.attention_ref import attention_exact
-from quantpatch.kernels.quant_attention_ref import quant_attention_ref
+from quantpatch.kernels.attention.attention_ref import attention_exact
+from quantpatch.kernels.attention.quant_attention_ref import quant_attention_ref
 from quantpatch.synthetic import attention_inputs
 
 

@@ -213,8 +213,8 @@ def test_options_validate():
 @pytest.mark.parametrize("which", ["k", "v"])
 def test_ablation_int4_only_attention_quantizes_one_operand_after_crs(which):
     from quantpatch.cli_commands import load_eval_script
-    from quantpatch.kernels.attention_ref import attention_exact
-    from quantpatch.kernels.fireq_ref import dequantize_kv_int4, quantize_kv_int4
+    from quantpatch.kernels.attention.attention_ref import attention_exact
+    from quantpatch.kernels.fireq_kv.fireq_ref import dequantize_kv_int4, quantize_kv_int4
 
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, h, 37, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))

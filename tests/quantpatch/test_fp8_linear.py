@@ -17,7 +17,7 @@ from quantpatch.cli_commands import load_eval_script
 from quantpatch.config import CONFIG_VERSION, LinearConfig, ModeConfig
 from quantpatch.fallback import UnsupportedError, reset_fallback_warnings
 from quantpatch.fp8_linear import ROUTE_GPU, ROUTE_REFERENCE, FP8Linear, scaled_mm_unsupported
-from quantpatch.kernels.fp8_linear_ref import fp8_linear_ref, quantize_rows_fp8_ref
+from quantpatch.kernels.fp8_linear.fp8_linear_ref import fp8_linear_ref, quantize_rows_fp8_ref
 from quantpatch.metrics import cos_sim, rel_l1
 from quantpatch.modes import MODES
 from tests.gpu import needs_cuda

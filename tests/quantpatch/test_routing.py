@@ -7,7 +7,7 @@ import torch
 
 import quantpatch as qp
 from quantpatch import dispatch, routing
-from quantpatch.kernels.quant_attention_ref import quant_attention_ref
+from quantpatch.kernels.attention.quant_attention_ref import quant_attention_ref
 from quantpatch.synthetic import attention_inputs
 from tests.patches.conftest import tiny_model
 

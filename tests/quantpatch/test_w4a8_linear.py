@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantpatch.kernels.fireq_ref import unpack_int4_signed
+from quantpatch.kernels.fireq_kv.fireq_ref import unpack_int4_signed
 from quantpatch.kernels.quant_ref import cast_fp8
-from quantpatch.kernels.w4a8_ref import (
+from quantpatch.kernels.w4a8.w4a8_ref import (
     PTS_UNDERFLOW,
     dequantize_weight,
     pts_exponent,
@@ -214,7 +214,7 @@ def test_bad_arguments_raise():
 def test_gpu_module_runs_the_kernels():
     """15 tokens: the Gluon decode kernel on sm_90, the Triton one elsewhere (``w4a8_triton.uses_gluon``)."""
     from quantpatch.fallback import SiteRecord, running_site
-    from quantpatch.kernels import w4a8_triton as wt
+    from quantpatch.kernels.w4a8 import w4a8_triton as wt
 
     lin = torch.nn.Linear(4096, 1024, bias=True)
     with torch.no_grad():

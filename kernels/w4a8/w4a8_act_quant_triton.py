@@ -1,11 +1,11 @@
 """W4A8 per-token FP8 activation quantization in Triton: the first step of the W4A8 linear
-(:mod:`quantpatch.kernels.w4a8_triton`), fused into its decode kernel and the Gluon GEMMs
-(:mod:`quantpatch.kernels.w4a8_gluon`, :mod:`quantpatch.kernels.w4a8_prefill_gluon`).
+(:mod:`quantpatch.kernels.w4a8.w4a8_triton`), fused into its decode kernel and the Gluon GEMMs
+(:mod:`quantpatch.kernels.w4a8.w4a8_gluon`, :mod:`quantpatch.kernels.w4a8.w4a8_prefill_gluon`).
 
 One program per token (:func:`quantize_activation_fp8`): ``a = max_k |x|``, ``β = bf16(a / 448)`` (1 if 0),
-``x̂ = e4m3(x / β)`` saturating. Bit-exact with :func:`~quantpatch.kernels.w4a8_ref.quantize_activation_fp8`
+``x̂ = e4m3(x / β)`` saturating. Bit-exact with :func:`~quantpatch.kernels.w4a8.w4a8_ref.quantize_activation_fp8`
 computing in float32: an IEEE division (``div_rn``), round-half-even to bf16 by integer arithmetic (the
-interpreter's own cast truncates), and the shared saturating e4m3 cast of :mod:`~quantpatch.kernels.qk_quant_triton`.
+interpreter's own cast truncates), and the shared saturating e4m3 cast of :mod:`~quantpatch.kernels.rounding_triton`.
 A row of up to ``ACT_BLOCK_K`` is read once. x̂ is stored in channel order or in fragment order
 (:func:`fragment_slots`), the order the Gluon GEMMs read.
 """
@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .compiled_launch import interpreting, next_pow2
-from .qk_quant_triton import _to_fp8e4m3
+from ..compiled_launch import interpreting, next_pow2
+from ..rounding_triton import _to_fp8e4m3
 from .w4a8_ref import GROUP_SIZE
 
 ACT_BLOCK_K = 16384  # activation-quantization chunk along K: a row up to this long is read once
@@ -92,7 +92,7 @@ def quantize_activation_fp8(x: torch.Tensor, *, fragment_order: bool = False) ->
 
     Returns:
         ``x̂ float8_e4m3fn (M, K)`` and ``β bfloat16 (M,)`` with ``x ≈ β x̂``; the numerics of
-        :func:`quantpatch.kernels.w4a8_ref.quantize_activation_fp8` (float32) bit for bit.
+        :func:`quantpatch.kernels.w4a8.w4a8_ref.quantize_activation_fp8` (float32) bit for bit.
     """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be 2-D (M, K) with a contiguous last dim, got shape {tuple(x.shape)}")

@@ -1,7 +1,7 @@
 """W4A8 prefill GEMM (M > 16 tokens) in Gluon (Triton 3.6+, sm_90): FP8 wgmma, the INT4 weights as its register
 operand, x̂ streamed by TMA.
 
-Numerics: those of :func:`~quantpatch.kernels.w4a8_triton.w4a8_gemm` (the reference's ``group`` operand): per
+Numerics: those of :func:`~quantpatch.kernels.w4a8.w4a8_triton.w4a8_gemm` (the reference's ``group`` operand): per
 128-group ``g`` one FP8 tensor-core product into a fresh fp32 accumulator (Hopper's FP8 MMA accumulates in a
 narrower register within the group; the tests' bound), times the group's e4m3 scale σ_g, added to an fp32
 accumulator in group order, then ``(acc ⊙ β) · 2⁻ⁿ + bias``. The weight operand is ``ŵ · 2⁻⁹`` (below) and σ is
@@ -9,7 +9,7 @@ taken as ``σ · 2⁹``: powers of two, so every product and partial is that of 
 
 Design (swap AB, ``yᵀ = ŵ x̂ᵀ``; a program is 128 output channels × ``BT`` tokens, warp-specialized)::
 
-    x̂ in fragment order ([M, K] e4m3, :func:`~quantpatch.kernels.w4a8_act_quant_triton.fragment_slots`)
+    x̂ in fragment order ([M, K] e4m3, :func:`~quantpatch.kernels.w4a8.w4a8_act_quant_triton.fragment_slots`)
     producer warp   TMA [BT, 128] tiles of x̂ into a ring of STAGES shared buffers (a "ready" mbarrier each, the
                     TMA's byte count) once both consumers released the buffer (an "empty" mbarrier, two arrivals)
     two consumer warpgroups, 64 output channels each, per group g:
@@ -39,8 +39,8 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .compiled_launch import cdiv
-from .gluon_compat import tma_load
+from ..compiled_launch import cdiv
+from ..gluon_compat import tma_load
 from .w4a8_act_quant_triton import quantize_activation_fp8
 from .w4a8_gluon_operand import (
     GROUP,
@@ -210,7 +210,7 @@ def w4a8_gemm_prefill_gluon(
 def w4a8_linear_prefill_gluon(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pts_exp: torch.Tensor,
                               bias: torch.Tensor | None = None, **options) -> torch.Tensor:
     """The whole layer on ``x (M, K)`` (last dim contiguous) → ``y (M, N)`` in ``x``'s dtype: the quantization
-    (:func:`~quantpatch.kernels.w4a8_act_quant_triton.quantize_activation_fp8`, fragment order), then
+    (:func:`~quantpatch.kernels.w4a8.w4a8_act_quant_triton.quantize_activation_fp8`, fragment order), then
     :func:`w4a8_gemm_prefill_gluon` (``options``: its keywords)."""
     check_gemm_operands(x.shape[0], x.shape[1], qweight, scales)
     x_hat, beta = quantize_activation_fp8(x, fragment_order=True)

@@ -4,7 +4,7 @@ Numerics: those of the Gluon prefill GEMM (:mod:`.w4a8_prefill_gluon`, :mod:`.w4
 ``g`` one FP8 tensor-core product (INT4 as e4m3 ``ŵ · 2⁻⁹``, x̂ in fragment order) into a fresh fp32 accumulator,
 times ``σ_g · 2⁹``, added to an fp32 accumulator over the run's groups in order; split-K runs summed in run order by
 the last run to arrive, then ``(acc ⊙ β) · 2⁻ⁿ + bias``. Activations: the numerics of
-:func:`~quantpatch.kernels.w4a8_act_quant_triton.quantize_activation_fp8` in fragment order (bit-exact with the
+:func:`~quantpatch.kernels.w4a8.w4a8_act_quant_triton.quantize_activation_fp8` in fragment order (bit-exact with the
 reference), computed by the first M programs of the same launch where a row fits one ``DECODE_QBLOCK`` load
 (:func:`w4a8_linear_gluon`: the layer, which ``w4a8_triton.w4a8_linear_2d`` runs for M ≤ 16 on sm_90).
 
@@ -34,8 +34,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from .compiled_launch import cdiv, next_pow2, relaunch, stream_key
-from .gluon_compat import async_load, cta_barrier
+from ..compiled_launch import cdiv, next_pow2, relaunch, stream_key
+from ..gluon_compat import async_load, cta_barrier
 from .w4a8_act_quant_triton import DECODE_QBLOCK, _bf16_rne, quantize_activation_fp8
 from .w4a8_gluon_operand import (
     GROUP,
@@ -68,7 +68,7 @@ def _fragment_slot(c):
 
 @gluon.jit
 def _quantize_token(X_ptr, XQ_ptr, AS_ptr, C_ptr, m, K, stride_xm, QBLOCK: gl.constexpr):
-    """Token ``m`` (``K ≤ QBLOCK``, one load): :func:`~quantpatch.kernels.w4a8_act_quant_triton._quantize_row`
+    """Token ``m`` (``K ≤ QBLOCK``, one load): :func:`~quantpatch.kernels.w4a8.w4a8_act_quant_triton._quantize_row`
     (``β = bf16(max|x| / 448)``, 1 if 0; ``x̂ = e4m3(x / β)`` saturating; IEEE divisions, round-half-even) into
     ``x̂ (M, K)`` in fragment order / ``β (M,)``, then one count on the flag ``C[0]`` (release)."""
     q_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8], threads_per_warp=[32], warps_per_cta=[4], order=[0])
@@ -356,7 +356,7 @@ def w4a8_gemm_gluon(
     gpc: int | None = None,
 ) -> torch.Tensor:
     """The GEMM alone: ``y = β · 2⁻ⁿ · Σ_g σ_g (x̂_g ŵ_gᵀ) + bias`` for ``M ≤ 16`` tokens from ``x̂`` in fragment
-    order, as :func:`~quantpatch.kernels.w4a8_prefill_gluon.w4a8_gemm_prefill_gluon` (``gps``: groups per split-K
+    order, as :func:`~quantpatch.kernels.w4a8.w4a8_prefill_gluon.w4a8_gemm_prefill_gluon` (``gps``: groups per split-K
     run, ``gpc``: groups per chunk, :func:`run_shape`; both None: :func:`default_run`).
 
     Args:
@@ -385,12 +385,12 @@ def w4a8_linear_gluon(
     bias: torch.Tensor | None = None, *, gps: int | None = None, gpc: int | None = None,
 ) -> torch.Tensor:
     """The whole layer on ``x (M ≤ 16, K)`` (last dim contiguous) → ``y (M, N)`` in ``x``'s dtype: what
-    :func:`~quantpatch.kernels.w4a8_triton.w4a8_linear_2d` runs for M ≤ 16 on sm_90.
+    :func:`~quantpatch.kernels.w4a8.w4a8_triton.w4a8_linear_2d` runs for M ≤ 16 on sm_90.
 
     ``K ≤ DECODE_QBLOCK``: one launch, the quantization of
-    :func:`~quantpatch.kernels.w4a8_act_quant_triton.quantize_activation_fp8` (fragment order, bit for bit) fused with
-    the GEMM. Longer rows: that quantization kernel, then the GEMM (fused, a row's several dependent loads, behind the
-    GEMM programs' weight loads in the memory queues, held every GEMM program up: 14336 → 4096 at 16 tokens took
+    :func:`~quantpatch.kernels.w4a8.w4a8_act_quant_triton.quantize_activation_fp8` (fragment order, bit for bit) fused
+    with the GEMM. Longer rows: that quantization kernel, then the GEMM (fused, a row's several dependent loads, behind
+    the GEMM programs' weight loads in the memory queues, held every GEMM program up: 14336 → 4096 at 16 tokens took
     40.3 µs against 33.6 µs in two launches, H200)."""
     m, k = x.shape
     _check(m, k, qweight, scales)

@@ -11,14 +11,14 @@ Weights are quantized once per output channel, activations per token, by the sam
 Each product of two e4m3 values has at most 8 significant bits, so it is exact in float32; the
 sums are float32 (a GPU GEMM sums in another order). ``torch._scaled_mm`` with row-wise scales
 (:mod:`quantpatch.fp8_linear`) computes the same expression on sm_89+ GPUs, and
-:mod:`quantpatch.kernels.fp8_quant_triton` quantizes the activations bit for bit as here.
+:mod:`quantpatch.kernels.fp8_linear.fp8_quant_triton` quantizes the activations bit for bit as here.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .quant_ref import quantize_fp8
+from ..quant_ref import quantize_fp8
 
 E4M3 = "fp8_e4m3"
 

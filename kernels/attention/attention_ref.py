@@ -92,11 +92,10 @@ class BlockedAttention:
         P̃_j   = exp_fn(S_j − m_j)                 α_j = exp_fn(m_{j−1} − m_j)  (1 where row sees none of S_j)
         R_j, ℓ_add = pv(P̃_j, j)                  (quantized P·V and the denominator increment)
         acc_j = accumulate(acc_{j−1}, α_j, R_j)   ℓ_j = α_j ℓ_{j−1} + ℓ_add
-    and finally ``O = finalize(acc) / ℓ``, ``lse = m + log(ℓ · l_scale)``.
+    and finally ``O = finalize(acc) / ℓ``, ``lse = m + log ℓ``.
     """
 
     block_k: int = 64
-    l_scale: float = 1.0  # ℓ is kept in units of l_scale (e.g. 1/127 when ℓ sums INT8 P)
 
     def scores(self, k0: int, k1: int) -> torch.Tensor:
         raise NotImplementedError
@@ -155,7 +154,7 @@ class BlockedAttention:
         out = torch.where(empty, torch.zeros_like(acc), self.finalize(acc) / torch.where(empty, 1, ell))
         if not return_lse:
             return out
-        lse = (m + torch.log(ell * self.l_scale)).squeeze(-1)
+        lse = (m + torch.log(ell)).squeeze(-1)
         return out, torch.where(empty.squeeze(-1), torch.full_like(lse, float("-inf")), lse)
 
 

@@ -1,6 +1,6 @@
 """INT8 Q·Kᵀ prefill attention in Gluon (Triton 3.6+, sm_90), one warpgroup a program: occupancy, not ping-pong.
 
-Numerics of ``attn_qk_int8_pv_fp8_triton._attn_fwd_kernel`` without smooth Q: sage2 (INT8 Q·Kᵀ with SageAttention2's
+Numerics of ``quant_attn_triton._attn_fwd_kernel`` without smooth Q: sage2 (INT8 Q·Kᵀ with SageAttention2's
 per-thread Q and K scales, P̃ → e4m3 at the static 448 scale, FP8 P̃·V of a key block in its own fp32 accumulator
 then added to the main one, per-channel V scale applied once at the end, optional V mean) and, as a constexpr
 variant, int8-flash (per-token Q and K scales, P̂ = rne(127 P̃), INT8 P̂·V, one V scale, ℓ from P̂). Causal
@@ -21,14 +21,14 @@ cross the diagonal) are the only masked ones, so the main loop holds no mask.
 
 Kernel only, B=4, H=32, bf16 inputs, against SDPA cuDNN in the same run (H200, Triton 3.6, 2 stages, 168 registers
 at D=128): D=128 non-causal 1.02 / 1.26 / 1.28 / 1.26 / 1.33× at 1k / 4k / 8k / 16k / 32k keys (the ping-pong kernel
-``attn_gluon``: 1.15–1.28× from 4k on), causal 0.67 / 1.12 / 1.26 / 1.34 / 1.27×; D=64 non-causal 1.00 / 1.12 /
+``pingpong_gluon``: 1.15–1.28× from 4k on), causal 0.67 / 1.12 / 1.26 / 1.34 / 1.27×; D=64 non-causal 1.00 / 1.12 /
 1.21 / 1.17 / 1.18×, causal 0.44 / 1.07 / 1.12 / 1.15 / 1.13× (the Triton kernel: 0.77–0.93×). One stage (40 KB of
 shared memory, as SageAttention's) ran within 2 % from 4k keys on and 0.72× as fast at 1k; K and Vᵀ on one mbarrier
 a slot, refilled together after P̂·V, ran 0.90–1.03×.
 
-Per-thread groups make δQ·δK one value a lane and 64-key span (``attn_gluon._lane_scale_shape``); the softmax, the
-key order of P̂ (Vᵀ's keys in ``attn_gluon.wgmma_key_order``, what ``quantize_qkv(..., v_key_order=True)`` writes)
-and the int8-flash arithmetic are ``attn_gluon``'s.
+Per-thread groups make δQ·δK one value a lane and 64-key span (``pingpong_gluon._lane_scale_shape``); the softmax, the
+key order of P̂ (Vᵀ's keys in ``pingpong_gluon.wgmma_key_order``, what ``quantize_qkv(..., v_key_order=True)`` writes)
+and the int8-flash arithmetic are ``pingpong_gluon``'s.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .attn_gluon import _block_pv, _lane_k_scale, _lane_scale_shape, _log2_p_max, _softmax_block
-from .attn_qk_int8_pv_fp8_triton import LOG2E
-from .compiled_launch import LaunchPlans, cdiv
-from .gluon_compat import cta_barrier, tma_load
+from ..compiled_launch import LaunchPlans, cdiv
+from ..gluon_compat import cta_barrier, tma_load
+from .pingpong_gluon import _block_pv, _lane_k_scale, _lane_scale_shape, _log2_p_max, _softmax_block
 from .qk_quant_triton import QuantizedQKV
+from .quant_attn_triton import LOG2E
 
 BLOCK_M = 64  # query rows of a program (one warpgroup, wgmma M)
 HEAD_DIMS = (64, 128)
@@ -257,17 +257,17 @@ def attn_qk_int8_pv_fp8_sm90(
     out_dtype: torch.dtype = torch.bfloat16,
     block_n: int = 128,
     stages: int = DEFAULT_STAGES,
-    maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """sage2 (without smooth Q) or int8-flash attention over :func:`~quantpatch.kernels.qk_quant_triton.quantize_qkv`
-    operands quantized with ``v_key_order=True`` (``x.v_hat_t``'s keys in ``attn_gluon.wgmma_key_order``); causal is
-    bottom-right aligned, as the reference. The V operand picks P̂·V, as in the Triton kernel: FP8 V with per-channel
-    scales → P̂ = e4m3(448 P̃) (sage2), INT8 V with one scale → P̂ = rne(127 P̃) and ℓ from P̂ (int8-flash).
+    """sage2 (without smooth Q) or int8-flash attention over
+    :func:`~quantpatch.kernels.attention.qk_quant_triton.quantize_qkv` operands quantized with ``v_key_order=True``
+    (``x.v_hat_t``'s keys in ``pingpong_gluon.wgmma_key_order``); causal is bottom-right aligned, as the reference.
+    The V operand picks P̂·V, as in the Triton kernel: FP8 V with per-channel scales → P̂ = e4m3(448 P̃) (sage2),
+    INT8 V with one scale → P̂ = rne(127 P̃) and ℓ from P̂ (int8-flash).
 
     ``qk_granularity``: ``"thread"``, SageAttention2's per-thread groups (``block_q / warps`` a multiple of 16,
     ``block_k`` of 64), read as one δQ·δK a lane; ``"token"``: one scale a token (int8-flash), δK brought with K.
-    ``stages``: depth of the K and Vᵀ rings; ``maxnreg``: a register cap for ptxas (more programs an SM), None for
-    :data:`MAXNREG` of the head_dim, 0 for none.
+    ``stages``: depth of the K and Vᵀ rings; the register cap for ptxas (more programs an SM) is :data:`MAXNREG` of
+    the head_dim.
     Returns ``o (B, H, Nq, D)`` in ``out_dtype`` and ``lse (B, H, Nq)`` float32 (natural log; empty unless asked).
     """
     b, h, nq, d = x.q_hat.shape
@@ -293,7 +293,7 @@ def attn_qk_int8_pv_fp8_sm90(
     k_desc = TensorDescriptor.from_tensor(x.k_hat.view(b * hkv * nk_pad, d), [block_n, d], k_layout)
     vt_desc = TensorDescriptor.from_tensor(x.v_hat_t.view(b * hkv * d, nk_pad), [d, block_n], v_layout)
     ks_desc = TensorDescriptor.from_tensor(x.k_scale.view(-1), [block_n], vec_layout)
-    maxnreg = MAXNREG[d] if maxnreg is None else maxnreg
+    maxnreg = MAXNREG[d]
     options = dict(num_warps=4, maxnreg=maxnreg) if maxnreg else dict(num_warps=4)
     _LAUNCH(
         (cdiv(nq, BLOCK_M), b * h),

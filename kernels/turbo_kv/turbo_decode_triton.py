@@ -1,6 +1,6 @@
 """TurboAttention decode attention over the compressed KV cache (Triton), Algorithm 2 with FlashQ and SAS.
 
-The numerics of :func:`~quantpatch.kernels.turbo_ref.turbo_decode_attention_ref` (``turbo`` with Q per
+The numerics of :func:`~quantpatch.kernels.turbo_kv.turbo_ref.turbo_decode_attention_ref` (``turbo`` with Q per
 token), read straight from the stored layout (no float copy of the cache). Per program: one
 (batch, KV head, split of the key blocks); its rows are every query row of the KV head's ``G``
 query heads (GQA: each K/V byte is loaded once for ``G · Nq`` rows, ``r = g·NQ_PAD + i``)::
@@ -51,8 +51,8 @@ addressed from the group's first head's tensor by a byte offset (``CompressedKV.
 tensor per head).
 
 On sm_90 the code-width groups of a single-token decode step with 4-bit K and V, D = 128 and ≤ 8 query heads per
-KV head go to the Gluon kernel :mod:`quantpatch.kernels.turbo_decode_gluon` (same numerics; 2.4–2.9× SDPA at B ≥ 8
-and N ≥ 16k on an H200, this kernel 1.0–1.1×; :func:`gluon_takes`), the others to this one; ``kernel="triton"``
+KV head go to the Gluon kernel :mod:`quantpatch.kernels.turbo_kv.turbo_decode_gluon` (same numerics; 2.4–2.9× SDPA
+at B ≥ 8 and N ≥ 16k on an H200, this kernel 1.0–1.1×; :func:`gluon_takes`), the others to this one; ``kernel="triton"``
 sends everything here.
 
 Custom op ``quantpatch::turbo_decode_attention`` (with ``register_fake``), launched on the current stream.
@@ -70,10 +70,10 @@ import triton.language as tl
 
 from quantpatch.config import AttentionConfig
 
-from .attn_qk_int8_pv_fp8_triton import SAS_THRESHOLD, _sas_exp
-from .compiled_launch import next_pow2, stream_key
-from .gluon_gate import GluonGate
-from .qk_quant_triton import _rne
+from ..attention.quant_attn_triton import SAS_THRESHOLD, _sas_exp
+from ..compiled_launch import next_pow2, stream_key
+from ..device import GluonGate
+from ..rounding_triton import _rne
 from .turbo_compress_triton import KERNEL_BITS, bit_groups
 from .turbo_decode_splits import split_count
 from .turbo_ref import CompressedKV, Int8Buffer, decode_attention_config
@@ -83,7 +83,6 @@ MAX_Q_LEN = 16
 MAX_ROWS = 128  # G_PAD · NQ_PAD rows of one program
 PROGRAMS_PER_SM = 8  # split the sequence until the grid has at most this many programs per SM (whole waves)
 NUM_WARPS, NUM_STAGES = 2, 1  # launch of the decode kernel (picked by B=8, N=32k sweeps on an H200)
-MAXNREG = None  # register cap of the decode kernel (None: the compiler's choice)
 SUBNORMAL_CODES = True  # 4-bit codes enter the fp16 dots as subnormals (code · 2⁻²⁴); False: as 1024 + code
 
 
@@ -470,7 +469,7 @@ def _meta_tensor(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 
 def default_num_splits(batch: int, kv_heads: int, n_blocks: int, device: torch.device) -> int:
-    """Splits of the key blocks: :func:`~quantpatch.kernels.turbo_decode_splits.split_count` with
+    """Splits of the key blocks: :func:`~quantpatch.kernels.turbo_kv.turbo_decode_splits.split_count` with
     ``PROGRAMS_PER_SM`` programs per SM."""
     return split_count(batch, kv_heads, n_blocks, device, PROGRAMS_PER_SM)
 
@@ -669,7 +668,6 @@ def _decode(
             BITS_K=kw, BITS_V=vw, CAUSAL=is_causal and nq > 1, ROW_MASK=nq < plan.nq_pad, DIRECT=plan.direct,
             QMAX=qk_qmax, PMAX=pv_qmax, SUB=SUBNORMAL_CODES, S_CHUNK=plan.s_chunk,
             num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
-            **({"maxnreg": MAXNREG} if MAXNREG else {}),
         )
     return out
 

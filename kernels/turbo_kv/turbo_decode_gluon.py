@@ -1,7 +1,7 @@
 """TurboAttention decode over a 4-bit compressed cache in Gluon (Triton 3.6+, sm_90): the codes enter the
 tensor-core dots straight from the registers their loads filled.
 
-Same numerics as :mod:`quantpatch.kernels.turbo_decode_triton` (Algorithm 2 with FlashQ and SAS: Q̂ per token,
+Same numerics as :mod:`quantpatch.kernels.turbo_kv.turbo_decode_triton` (Algorithm 2 with FlashQ and SAS: Q̂ per token,
 ``K̂ = (X + z^int)·s^int``, SAS online softmax per 64-key block, P̂ INT8 per block and query head, every dot an
 exact integer sum on fp16 operands with fp32 accumulation), for the shape that decoding takes: one query token,
 ``G ≤ 8`` query heads per KV head, ``D = 128``, K and V both 4-bit. With one split (``EXACT``) every rounding is
@@ -50,10 +50,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .attn_qk_int8_pv_fp8_triton import LOG2E, SAS_THRESHOLD
-from .compiled_launch import LaunchPlans, cdiv, next_pow2
-from .gluon_compat import async_load, cta_barrier
-from .sas_ref import POLY_COEFFS
+from ..attention.quant_attn_triton import LOG2E, SAS_THRESHOLD
+from ..attention.sas_ref import POLY_COEFFS
+from ..compiled_launch import LaunchPlans, cdiv, next_pow2
+from ..gluon_compat import async_load, cta_barrier
 from .turbo_decode_splits import split_count
 
 HEAD_DIM = 128
@@ -65,7 +65,6 @@ ROWS = gl.constexpr(MAX_GROUP)
 PART = gl.constexpr(16)  # keys read, unpacked and multiplied at a time: one mma M tile
 PARTS = gl.constexpr(BLOCK.value // PART.value)
 PROGRAMS_PER_SM = 8  # one warp each at ≤ 255 registers: 8 fit an SM
-MAXNREG = None  # register cap of the kernel (None: the compiler's choice)
 STAGES = 2  # copy groups in shared memory: the one computed and STAGES − 1 on their way
 MAX_SPLITS = 64  # the merge reads every split's partial in one program
 MERGE_ROWS = gl.constexpr(32)  # (split, row) partials merged at a time: 128 fp32 a lane
@@ -731,8 +730,9 @@ def group_unsupported(group: int, nq: int, d: int, k_bits: int, v_bits: int, n_b
 
 
 def default_num_splits(batch: int, kv_heads: int, n_blocks: int, device: torch.device) -> int:
-    """Splits of the key blocks: the Triton kernel's rule (:func:`~quantpatch.kernels.turbo_decode_splits.split_count`:
-    one wave, at least 4 blocks a split) with ``PROGRAMS_PER_SM`` one-warp programs per SM, at most ``MAX_SPLITS``."""
+    """Splits of the key blocks: the Triton kernel's rule
+    (:func:`~quantpatch.kernels.turbo_kv.turbo_decode_splits.split_count`: one wave, at least 4 blocks a split) with
+    ``PROGRAMS_PER_SM`` one-warp programs per SM, at most ``MAX_SPLITS``."""
     return min(split_count(batch, kv_heads, n_blocks, device, PROGRAMS_PER_SM), MAX_SPLITS)
 
 
@@ -770,5 +770,4 @@ def launch(q, heads, meta, steps, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zi
     # one split follows the reference's roundings; several draw P̂ per split anyway: FMA contraction allowed
     consts = dict(GROUP=group, G_PAD=next_pow2(group), QMAX=qk_qmax, PMAX=pv_qmax, SPLITS_PAD=next_pow2(splits),
                   STAGES=STAGES, EXACT=splits == 1, REGULAR=steps is not None)
-    _PLANS((splits, b * len(heads)), args, consts, num_warps=1, enable_fp_fusion=splits > 1,
-           **({"maxnreg": MAXNREG} if MAXNREG else {}))
+    _PLANS((splits, b * len(heads)), args, consts, num_warps=1, enable_fp_fusion=splits > 1)

@@ -9,19 +9,19 @@ Custom ops (``torch.library.custom_op`` + ``register_fake``, so ``torch.compile`
 through them; launched on the current stream):
 
 * ``quantpatch::quantize_qkv``: fused smoothing + quantization
-  (:func:`~quantpatch.kernels.qk_quant_triton.quantize_qkv`), returns the 10 tensors of
-  :class:`~quantpatch.kernels.qk_quant_triton.QuantizedQKV`;
+  (:func:`~quantpatch.kernels.attention.qk_quant_triton.quantize_qkv`), returns the 10 tensors of
+  :class:`~quantpatch.kernels.attention.qk_quant_triton.QuantizedQKV`;
 * ``quantpatch::attn_qk_int8_pv_fp8``: the attention kernel over them
-  (:func:`~quantpatch.kernels.attn_qk_int8_pv_fp8_triton.attn_qk_int8_pv_fp8`, or on sm_90 one of the Gluon
+  (:func:`~quantpatch.kernels.attention.quant_attn_triton.attn_qk_int8_pv_fp8`, or on sm_90 one of the Gluon
   kernels :func:`attention_kernel` picks).
 
 Which path each mode takes: ``sage2-8b``/``sage2-4b`` (INT8 tensor cores, INT4 values for 4b),
 ``int8-flash``, ``fireq`` and ``turbo``'s prefill (SAS exponential, per-tile P scale, per-block V
 scale) run these Triton kernels on sm_89/sm_90 (sm_80 for configs without FP8 operands). On sm_90, sage2-8b's and
 int8-flash's head_dim-64/128 calls from ``SM90_MIN_KEYS`` keys run the one-warpgroup Gluon kernel
-(:mod:`~quantpatch.kernels.attn_qk_int8_pv_fp8_sm90`: several programs an SM hide each other's latency), and smooth-Q
-calls (sage2-4b) at head_dim 128 from ``GLUON_MIN_KEYS`` keys (causal: Nk - Nq a multiple of 128) the warp-specialised
-ping-pong kernel (:mod:`~quantpatch.kernels.attn_gluon`); the numerics are the same.
+(:mod:`~quantpatch.kernels.attention.one_warpgroup_gluon`: several programs an SM hide each other's latency), and
+smooth-Q calls (sage2-4b) at head_dim 128 from ``GLUON_MIN_KEYS`` keys (causal: Nk - Nq a multiple of 128) the
+warp-specialised ping-pong kernel (:mod:`~quantpatch.kernels.attention.pingpong_gluon`); the numerics are the same.
 """
 
 from __future__ import annotations
@@ -33,13 +33,12 @@ import triton
 
 from quantpatch.config import AttentionConfig
 
-from . import attn_qk_int8_pv_fp8_triton as _attn_triton
+from ..device import GluonGate, cuda_unsupported
 from . import qk_quant_triton
-from .attn_qk_int8_pv_fp8_triton import SAS_THRESHOLD, attn_qk_int8_pv_fp8
-from .device import cuda_unsupported
-from .gluon_gate import GluonGate
+from . import quant_attn_triton as _attn_triton
 from .qk_quant_triton import GRAN_IDS, QuantizedQKV, quantize_qkv
 from .quant_attention_ref import smooth_k_lse_shift
+from .quant_attn_triton import SAS_THRESHOLD, attn_qk_int8_pv_fp8
 
 NUMERICS = ("sage2", "int8_flash", "fireq", "turbo")  # the numerics families the kernels compute
 HEAD_DIMS = (64, 128)
@@ -152,8 +151,8 @@ def _gluon_numerics(cfg: AttentionConfig) -> bool:
 
 
 def gluon_takes(cfg: AttentionConfig, head_dim: int, nq: int, nk: int, is_causal: bool) -> bool:
-    """Whether :func:`~quantpatch.kernels.attn_gluon.attn_qk_int8_gluon` computes this call (on sm_90): numerics it
-    has (sage2, int8-flash), head_dim 128, query blocks of a multiple of 128 rows, at least
+    """Whether :func:`~quantpatch.kernels.attention.pingpong_gluon.attn_qk_int8_gluon` computes this call (on sm_90):
+    numerics it has (sage2, int8-flash), head_dim 128, query blocks of a multiple of 128 rows, at least
     ``GLUON_MIN_KEYS[numerics, is_causal]`` keys, causal with Nk - Nq a multiple of 128 (the kernel's diagonal);
     False where the Gluon module does not import."""
     if not _gluon_numerics(cfg) or head_dim != 128:
@@ -164,7 +163,7 @@ def gluon_takes(cfg: AttentionConfig, head_dim: int, nq: int, nk: int, is_causal
 
 
 def sm90_takes(cfg: AttentionConfig, head_dim: int, nq: int, nk: int, is_causal: bool) -> bool:
-    """Whether :func:`~quantpatch.kernels.attn_qk_int8_pv_fp8_sm90.attn_qk_int8_pv_fp8_sm90` computes this call (on
+    """Whether :func:`~quantpatch.kernels.attention.one_warpgroup_gluon.attn_qk_int8_pv_fp8_sm90` computes this call (on
     sm_90): the Gluon numerics without smooth Q (sage2-8b, int8-flash), head_dim 64 or 128, at least
     ``SM90_MIN_KEYS[is_causal]`` keys (where it ran faster than the Triton kernel, kernel only, H200)."""
     return (_attn_sm90 is not None and _gluon_numerics(cfg) and not cfg.smooth_q
@@ -374,8 +373,8 @@ def run(call):
 
 # last: the Gluon module needs Triton 3.6's triton.experimental.gluon
 try:
-    from . import attn_gluon as _attn_gluon
-    from . import attn_qk_int8_pv_fp8_sm90 as _attn_sm90
+    from . import one_warpgroup_gluon as _attn_sm90
+    from . import pingpong_gluon as _attn_gluon
 
     _GLUON_IMPORT_ERROR = None
 except ImportError as _err:

@@ -1,12 +1,12 @@
 """FireQ W4A8-FP linear in Triton: per-token FP8 activation quantization and the INT4 × FP8 GEMM.
 
 Three kernels behind one ``torch.library.custom_op``, ``quantpatch::w4a8_linear`` (:func:`w4a8_linear_op`,
-with ``register_fake``; launched on the current stream), reproducing :mod:`quantpatch.kernels.w4a8_ref`
+with ``register_fake``; launched on the current stream), reproducing :mod:`quantpatch.kernels.w4a8.w4a8_ref`
 (``weight_operand="group"``):
 
-* activation quantization (:func:`~quantpatch.kernels.w4a8_act_quant_triton.quantize_activation_fp8`, shared with
+* activation quantization (:func:`~quantpatch.kernels.w4a8.w4a8_act_quant_triton.quantize_activation_fp8`, shared with
   the Gluon kernels), one program per token: ``a = max_k |x|``, ``β = bf16(a / 448)`` (1 if 0),
-  ``x̂ = e4m3(x / β)`` saturating, bit-exact with :func:`~quantpatch.kernels.w4a8_ref.quantize_activation_fp8`.
+  ``x̂ = e4m3(x / β)`` saturating, bit-exact with :func:`~quantpatch.kernels.w4a8.w4a8_ref.quantize_activation_fp8`.
 * the GEMM (:func:`w4a8_gemm`)::
 
       P_g  = x̂[:, g] · ŵ[:, g]ᵀ        one dot per 128-group g, fp32 accumulator
@@ -20,9 +20,9 @@ with ``register_fake``; launched on the current stream), reproducing :mod:`quant
   fixed order by the last program to arrive (deterministic). Larger M (:func:`_w4a8_gemm_kernel`): the activation
   kernel, then FP8 tensor-core tiles over all of K. INT4 → fp16 by bit tricks (:func:`_int4_nibbles_fp16`).
   ``n`` (``pts_exp``) is read from device memory, so a forward never syncs the host.
-* on sm_90, M ≤ 16: the Gluon decode kernel (:mod:`quantpatch.kernels.w4a8_gluon`, the quantization fused in
+* on sm_90, M ≤ 16: the Gluon decode kernel (:mod:`quantpatch.kernels.w4a8.w4a8_gluon`, the quantization fused in
   the same way, same numerics) instead of :func:`_w4a8_decode_kernel`; M > 16: the activation kernel writing x̂
-  in fragment order, then the Gluon prefill GEMM (:mod:`quantpatch.kernels.w4a8_prefill_gluon`: FP8 wgmma, the
+  in fragment order, then the Gluon prefill GEMM (:mod:`quantpatch.kernels.w4a8.w4a8_prefill_gluon`: FP8 wgmma, the
   INT4 weights as its register operand, x̂ by TMA; the tiled kernel's numerics) instead of
   :func:`_w4a8_gemm_kernel`; where ``triton.experimental.gluon`` imports (:data:`GLUON`, :data:`PREFILL_GLUON`
   say why not, once per device, in the log).
@@ -47,9 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .compiled_launch import cdiv, interpreting, next_pow2, stream_key
-from .device import cuda_unsupported
-from .gluon_gate import GluonGate
+from ..compiled_launch import cdiv, interpreting, next_pow2, stream_key
+from ..device import GluonGate, cuda_unsupported
 from .w4a8_act_quant_triton import DECODE_BLOCK_M, DECODE_QBLOCK, _quantize_row, quantize_activation_fp8
 from .w4a8_ref import GROUP_SIZE, check_gemm_operands
 from .w4a8_scratch import _scratch, _x_hat_scratch
@@ -363,7 +362,7 @@ def w4a8_gemm(
     Args:
         x_hat: ``float8_e4m3fn (M, K)``, K a multiple of 128, last dim contiguous.
         x_scale: ``bfloat16 (M,)`` per-token scales β.
-        qweight: ``uint8 (N, K/2)`` packed INT4 (layout of :func:`~quantpatch.kernels.w4a8_ref.quantize_weight`).
+        qweight: ``uint8 (N, K/2)`` packed INT4 (layout of :func:`~quantpatch.kernels.w4a8.w4a8_ref.quantize_weight`).
         scales: ``float8_e4m3fn (N, K/128)`` group scales σ.
         pts_exp: ``int32 ()`` PTS exponent ``n`` (on the device: read by the kernel).
         bias: ``(N,)`` or None.

@@ -36,9 +36,9 @@ import torch
 
 from quantpatch.config import AttentionConfig
 
-from .attention_ref import expand_kv
-from .quant_attention_ref import quant_attention_ref
-from .quant_ref import FP8_MAX, cast_fp8, symmetric_scale
+from ..attention.attention_ref import expand_kv
+from ..attention.quant_attention_ref import quant_attention_ref
+from ..quant_ref import FP8_MAX, cast_fp8, symmetric_scale
 
 INT4_MIN, INT4_MAX = -8, 7  # eq. 1: x̂ ∈ {−2^(b−1), …, 2^(b−1) − 1}; the LUT covers −8σ … 7σ
 INT4_SCALE_DIV = 7  # eq. 1: σ = absmax / (2^(b−1) − 1)

@@ -6,7 +6,7 @@ FireQ (Baek et al. 2025) §3.1 and Appendix B/C.1, numerics the Triton GEMM repr
   scaling factor"): ``W (O, K)`` is split along the input dim into groups of ``group_size``;
   each group of each output row gets ``σ = e4m3(absmax / 7)`` and ``ŵ = clamp(round(w / σ), −8, 7)``
   (the rounding of σ moves ``absmax/σ`` by ≤ 1/16, so ``|ŵ| ≤ 7`` except for a subnormal σ,
-  see :func:`quantpatch.kernels.fireq_ref.quantize_kv_int4`, which this reuses). A group whose
+  see :func:`quantpatch.kernels.fireq_kv.fireq_ref.quantize_kv_int4`, which this reuses). A group whose
   σ underflows to 0 (App. B Lemma B.1, ``absmax ≲ 7·2⁻⁹``) stores σ = 0 and ŵ = 0.
 * **PTS** (Definition 3.2, App. C.1): the whole matrix is multiplied by ``δ = 2ⁿ`` *before*
   the group scales are formed, and the GEMM output is multiplied by ``δ⁻¹`` (exact, a power
@@ -29,7 +29,7 @@ FireQ (Baek et al. 2025) §3.1 and Appendix B/C.1, numerics the Triton GEMM repr
 
 Storage (:func:`quantize_weight`): ``qweight uint8 (O, Kp/2)`` with two INT4 per byte (input
 channel ``2c`` in the low nibble, ``2c + 1`` in the high nibble, two's complement; the layout
-of :func:`~quantpatch.kernels.fireq_ref.pack_int4_signed`), ``scales float8_e4m3fn (O, G)``,
+of :func:`~quantpatch.kernels.fireq_kv.fireq_ref.pack_int4_signed`), ``scales float8_e4m3fn (O, G)``,
 ``Kp = G · group_size ≥ K`` (a ragged last group is zero-padded; zeros do not move absmax).
 """
 
@@ -39,8 +39,8 @@ from typing import NamedTuple
 
 import torch
 
-from .fireq_ref import pack_int4_signed, quantize_kv_int4, quantize_query_fp8, unpack_int4_signed
-from .quant_ref import cast_fp8
+from ..fireq_kv.fireq_ref import pack_int4_signed, quantize_kv_int4, quantize_query_fp8, unpack_int4_signed
+from ..quant_ref import cast_fp8
 
 GROUP_SIZE = 128  # §3.1: "groups of 128 elements"
 WEIGHT_OPERANDS = ("group", "lut")
@@ -192,7 +192,7 @@ def quantize_activation_fp8(
 
     Returns:
         ``(x̂ (..., K), β (..., 1))`` in ``compute_dtype``; ``x ≈ β x̂``. (The same quantizer as
-        FireQ's FP8 queries, :func:`~quantpatch.kernels.fireq_ref.quantize_query_fp8`.)
+        FireQ's FP8 queries, :func:`~quantpatch.kernels.fireq_kv.fireq_ref.quantize_query_fp8`.)
     """
     return quantize_query_fp8(x, compute_dtype=compute_dtype)
 

@@ -44,8 +44,8 @@ import torch
 from quantpatch.config import AttentionConfig
 from quantpatch.modes import get_mode
 
-from .quant_attention_ref import quant_attention_ref
-from .quant_ref import (
+from ..attention.quant_attention_ref import quant_attention_ref
+from ..quant_ref import (
     dequantize_asymmetric_int,
     quantize_asymmetric_int,
     quantize_symmetric,

@@ -1,5 +1,6 @@
-"""How the TurboAttention decode kernels split a call's key blocks (:mod:`quantpatch.kernels.turbo_decode_triton`,
-:mod:`quantpatch.kernels.turbo_decode_gluon`): one rule, each kernel with its own programs per SM."""
+"""How the TurboAttention decode kernels split a call's key blocks
+(:mod:`quantpatch.kernels.turbo_kv.turbo_decode_triton`, :mod:`quantpatch.kernels.turbo_kv.turbo_decode_gluon`): one
+rule, each kernel with its own programs per SM."""
 
 from __future__ import annotations
 

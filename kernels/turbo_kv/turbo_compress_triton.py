@@ -1,7 +1,7 @@
 """TurboAttention block compression (Triton): Blockwise Progressive Quantization, Algorithm 1.
 
 One program compresses one ``n_b``-token block of one KV head, in the numerics of
-:func:`~quantpatch.kernels.turbo_ref.turbo_compress_kv_ref` (bit-exact: IEEE divisions through
+:func:`~quantpatch.kernels.turbo_kv.turbo_ref.turbo_compress_kv_ref` (bit-exact: IEEE divisions through
 ``div_rn``, round-half-even through the 1.5·2²³ trick)::
 
     step 1 (STEP1), INT8 symmetric per block:  s = absmax(X_j) / qmax (1 if 0)   X^{q1} = clamp(rne(X_j / s), ±qmax)
@@ -11,7 +11,7 @@ One program compresses one ``n_b``-token block of one KV head, in the numerics o
 
 The block is loaded as a ``(n_b, D / k, k)`` tile, ``k = 8 / bits`` codes a byte (channel
 ``k·j + i`` at ``[:, j, i]``), so the packed byte ``j`` is ``Σ_i X^{q2}[:, j, i] << (bits·i)``, the
-layout of :func:`~quantpatch.kernels.turbo_ref.pack_codes` (INT4: low nibble = even channel).
+layout of :func:`~quantpatch.kernels.turbo_kv.turbo_ref.pack_codes` (INT4: low nibble = even channel).
 
 Mixed precision: heads are grouped by width (one launch per width); each group's codes go to
 one ``(B, H_g, T·n_b, D·bits/8)`` tensor and ``CompressedKV.codes[h]`` is a view of head ``h``'s row.
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .qk_quant_triton import _rne
+from ..rounding_triton import _rne
 from .turbo_ref import TURBO_BLOCK, TURBO_QMAX, CompressedKV, per_head_bits
 
 KERNEL_BITS = (2, 4)  # code widths the kernels take (8-bit codes stay on the reference)
@@ -182,7 +182,7 @@ def turbo_compress_blocks(
 ) -> CompressedKV:
     """Both BPQ steps on full blocks ``x (B, Hkv, T·block, D)`` (any float dtype), bit-exact with the reference.
 
-    The ``compress_blocks`` of :func:`~quantpatch.kernels.turbo_ref.turbo_compress_kv_ref`.
+    The ``compress_blocks`` of :func:`~quantpatch.kernels.turbo_kv.turbo_ref.turbo_compress_kv_ref`.
 
     Returns:
         ``CompressedKV``: codes ``(B, T·block, D·bits[h]/8)`` per head, ``s^int``/``z^int`` int8

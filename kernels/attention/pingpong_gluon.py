@@ -1,6 +1,6 @@
 """INT8 Q·Kᵀ prefill attention in Gluon (Triton 3.6+, sm_90): FA3's schedule over the Triton kernel's numerics.
 
-Same operands and numerics as ``attn_qk_int8_pv_fp8_triton._attn_fwd_kernel`` for ``sage2`` (INT8 Q·Kᵀ with
+Same operands and numerics as ``quant_attn_triton._attn_fwd_kernel`` for ``sage2`` (INT8 Q·Kᵀ with
 SageAttention2's per-thread Q and K scales, ΔS, P̃ → e4m3 at the static 448 scale, FP8 P̃·V accumulated per key
 block then added to the FP32 accumulator, per-channel V scale, optional V mean) and ``int8_flash`` (per-token Q
 and K scales, P̂ = rne(127 P̃), INT8 P̂·V with an int32 accumulator per block, one V scale, ℓ from P̂), causal
@@ -59,10 +59,10 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .attn_qk_int8_pv_fp8_triton import LOG2E, MAGIC_F, MAGIC_I
-from .compiled_launch import LaunchPlans, cdiv
-from .gluon_compat import cta_barrier, tma_load
+from ..compiled_launch import LaunchPlans, cdiv
+from ..gluon_compat import cta_barrier, tma_load
 from .qk_quant_triton import QuantizedQKV
+from .quant_attn_triton import LOG2E, MAGIC_F, MAGIC_I
 
 WG_ROWS = gl.constexpr(64)  # query rows of a consumer warpgroup (wgmma M)
 BLOCK_M = 128  # query rows of a program of two consumer warpgroups (the causal kernel's diagonal block)
@@ -657,7 +657,7 @@ def attn_qk_int8_gluon(
     v_keys_permuted: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sage2 or int8-flash attention (causal: bottom-right aligned, as the reference, with Nk - Nq a multiple of
-    :data:`BLOCK_M`) over :func:`~quantpatch.kernels.qk_quant_triton.quantize_qkv` operands. INT8 Q/K; the V
+    :data:`BLOCK_M`) over :func:`~quantpatch.kernels.attention.qk_quant_triton.quantize_qkv` operands. INT8 Q/K; the V
     operand picks P̂·V, as in the Triton kernel: FP8 V with per-channel scales → P̂ = e4m3(448 P̃) (sage2), INT8 V
     with one scale → P̂ = rne(127 P̃) and ℓ from P̂ (int8-flash).
 
@@ -673,7 +673,7 @@ def attn_qk_int8_gluon(
     ``v_keys_permuted``: ``x.v_hat_t`` with its keys in :func:`wgmma_key_order` if the caller has it
     (``quantize_qkv(..., v_key_order=True)``); else :func:`permute_v_keys` makes it here (an extra pass).
     Returns ``o (B, H, Nq, D)`` in ``out_dtype`` and ``lse (B, H, Nq)`` (empty unless asked), as
-    :func:`~quantpatch.kernels.attn_qk_int8_pv_fp8_triton.attn_qk_int8_pv_fp8`.
+    :func:`~quantpatch.kernels.attention.quant_attn_triton.attn_qk_int8_pv_fp8`.
     """
     b, h, nq, d = x.q_hat.shape
     hkv, nk_pad = x.k_hat.shape[1], x.k_hat.shape[2]

@@ -5,10 +5,10 @@ One program per token (row of ``x (M, K)``) computes, in float32 after the load:
     s = absmax(row) / 448   (IEEE division; 1 for an all-zero row)       q = e4m3(row / s)
 
 and writes ``q float8_e4m3fn (M, K)`` and ``s float32 (M, 1)``: the operands ``torch._scaled_mm`` takes
-with row-wise scales. Bit for bit :func:`~quantpatch.kernels.fp8_linear_ref.quantize_rows_fp8_ref`:
+with row-wise scales. Bit for bit :func:`~quantpatch.kernels.fp8_linear.fp8_linear_ref.quantize_rows_fp8_ref`:
 the quotient ``row / s`` is the IEEE one (``_div_by``: one reciprocal per row and Markstein's FMA
 correction), the cast is the shared saturating round-to-nearest-even e4m3 cast of
-:mod:`~quantpatch.kernels.qk_quant_triton` (``cvt.rn.satfinite`` on the GPU, an exact emulation under
+:mod:`~quantpatch.kernels.rounding_triton` (``cvt.rn.satfinite`` on the GPU, an exact emulation under
 ``TRITON_INTERPRET=1``). A row of up to ``ROW_BLOCK`` channels is read once; a longer one twice
 (absmax pass, then quantize pass from L2), in chunks of ``ROW_BLOCK``.
 """
@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .compiled_launch import LaunchPlans, interpreting, next_pow2
-from .qk_quant_triton import _div_by, _to_fp8e4m3
+from ..compiled_launch import LaunchPlans, interpreting, next_pow2
+from ..rounding_triton import _div_by, _to_fp8e4m3
 
 E4M3_MAX = 448.0
 ROW_BLOCK = 4096  # channels per load; not tuned on a GPU yet (W4A8's activation kernel reads 16384 at once)
@@ -59,7 +59,7 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns:
         ``q float8_e4m3fn (M, K)`` and ``s float32 (M, 1)`` with ``x ≈ q · s``: the numerics of
-        :func:`~quantpatch.kernels.fp8_linear_ref.quantize_rows_fp8_ref` bit for bit.
+        :func:`~quantpatch.kernels.fp8_linear.fp8_linear_ref.quantize_rows_fp8_ref` bit for bit.
     """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be 2-D (M, K) with a contiguous last dim, got shape {tuple(x.shape)} "

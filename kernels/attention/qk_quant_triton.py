@@ -48,8 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .compiled_launch import LaunchPlans, cdiv, interpreting
-from .quant_ref import FP8_MAX, cast_fp8, quantize_symmetric, quantize_tokens, symmetric_scale, token_absmax
+from ..compiled_launch import LaunchPlans, cdiv, interpreting
+from ..quant_ref import FP8_MAX, cast_fp8, quantize_symmetric, quantize_tokens, symmetric_scale, token_absmax
+from ..rounding_triton import _div_by, _rne, _to_fp8e4m3
 
 # Integer ids of the string knobs (constexpr switches compile unused branches out).
 GRAN_IDS = {"token": 0, "block": 1, "warp": 2, "thread": 3}
@@ -67,29 +68,6 @@ DS_TUNING = dict(block_n=128, qb_tile=64, num_warps=4, num_stages=2, qb_tile_sho
 
 
 # --------------------------------------------------------------------------- jit helpers
-
-
-@triton.jit
-def _rne(x):
-    """Round half to even for |x| < 2**22: adding 1.5·2²³ leaves no fraction bits (IEEE RN-even)."""
-    return (x + 12582912.0) - 12582912.0
-
-
-@triton.jit
-def _to_fp8e4m3(x, EMULATE: tl.constexpr):
-    """Saturating round-to-nearest-even cast to float8 e4m3fn.
-
-    On the GPU this is one ``cvt.rn.satfinite``; the interpreter's own cast rounds ties up and
-    mishandles subnormals, so there the value is first rounded onto the E4M3 grid exactly.
-    """
-    if EMULATE:
-        ax = tl.minimum(tl.abs(x), 448.0)
-        e = tl.maximum(((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # binade (subnormals: -6)
-        quantum = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2**(e - 3): 3 mantissa bits
-        r = tl.minimum(_rne(ax / quantum) * quantum, 448.0)
-        x = tl.where(x < 0, -r, r)
-    # on the GPU the cast itself is cvt.rn.satfinite: it saturates, no clamp needed
-    return x.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -117,22 +95,6 @@ def _group_absmax(amax, T: tl.constexpr, GRAN: tl.constexpr, ROLE_Q: tl.constexp
         g = tl.max(tl.max(tl.reshape(amax, [T // GBLOCK, GBLOCK // 8, 4, 2]), 3), 1)
         out = tl.reshape(tl.broadcast_to(g[:, None, :, None], [T // GBLOCK, GBLOCK // 8, 4, 2]), [T])
     return out
-
-
-@triton.jit
-def _div_by(x, d):
-    """``x / d`` rounded as IEEE division (``div_rn``) for a positive divisor ``d`` broadcast against ``x``,
-    with one reciprocal per divisor: Markstein's correction of ``x · RN(1/d)`` (an exact FMA residual, then
-    one FMA) is the correctly rounded quotient while ``RN(1/d)`` is normal, so ``d`` is first brought into
-    [2⁻⁶⁴, 2⁶⁴] by an exact power of two applied to both operands. The quotient can differ from ``div_rn``
-    only below 2⁻¹²⁶ (``x`` scaled into the subnormals), where every quantizer here rounds it to 0."""
-    f = tl.where(d > 1.8446744073709552e19, 5.421010862427522e-20,
-                 tl.where(d < 5.421010862427522e-20, 1.8446744073709552e19, 1.0))
-    d = d * f
-    x = x * f
-    r = tl.math.div_rn(1.0, d)
-    q = x * r
-    return tl.math.fma(tl.math.fma(-d, q, x), r, q)
 
 
 @triton.jit
@@ -377,7 +339,7 @@ def _quant_kv_kernel(
 ):
     """BLOCK key rows of one kv head (rows past Nk, up to Nk_pad, are written as zeros): smooth + quantize K,
     quantize V and write it transposed (statistics from the first launch); with ``V_KEY_ORDER`` the keys of
-    each 32 in the Gluon kernel's order (``attn_gluon.wgmma_key_order``)."""
+    each 32 in the Gluon kernel's order (``pingpong_gluon.wgmma_key_order``)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)  # offsets of large tensors exceed int32
     b = pid_bh // HKV
@@ -546,9 +508,9 @@ def quantize_qkv(
 
     Args mirror :class:`quantpatch.config.AttentionConfig`; ``pad_to`` is the key block of the
     attention kernel (``Nk_pad = ceil(Nk / pad_to) · pad_to``, a multiple of ``block_k``);
-    ``v_key_order``: ``v_hat_t``'s keys in the Gluon kernel's order (``attn_gluon.permute_v_keys``),
-    for :func:`~quantpatch.kernels.attn_gluon.attn_qk_int8_gluon` only; ``is_causal``: ``delta_s`` only where
-    a causal (bottom-right aligned) kernel reads it (:func:`delta_s_written`), the rest left unwritten.
+    ``v_key_order``: ``v_hat_t``'s keys in the Gluon kernel's order (``pingpong_gluon.permute_v_keys``),
+    for :func:`~quantpatch.kernels.attention.pingpong_gluon.attn_qk_int8_gluon` only; ``is_causal``: ``delta_s`` only
+    where a causal (bottom-right aligned) kernel reads it (:func:`delta_s_written`), the rest left unwritten.
 
     Returns:
         :class:`QuantizedQKV` on ``q``'s device, launched on the current stream.

@@ -5,7 +5,7 @@ epilogue.
 A group's packed bytes ``[rows, 64]`` are loaded as int32 words, 16 contiguous bytes of rows r and r + 8 a thread
 (:data:`WORDS_L`: one ``ld.global.v4`` each), unpacked to e4m3 bits of ``v · 2⁻⁹`` by 10 PTX instructions a word
 (:func:`_unpack`) and relabelled (:func:`_weight_operand`, no data movement) into wgmma's 8-bit A fragment, given x̂ in
-fragment order (:func:`~quantpatch.kernels.w4a8_act_quant_triton.fragment_slots`). σ is taken as ``σ · 2⁹``
+fragment order (:func:`~quantpatch.kernels.w4a8.w4a8_act_quant_triton.fragment_slots`). σ is taken as ``σ · 2⁹``
 (:data:`SIGMA_SHIFT`): powers of two, so every product and partial is that of ``ŵ`` and ``σ`` exactly.
 """
 

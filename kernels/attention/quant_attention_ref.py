@@ -27,8 +27,7 @@ import torch
 
 from quantpatch.config import AttentionConfig
 
-from .attention_ref import BlockedAttention, expand_kv, pad_tokens, softmax_scale, tile_reduce_max
-from .quant_ref import (
+from ..quant_ref import (
     FP8_MAX,
     cast_fp8,
     quantize_fp8,
@@ -38,6 +37,7 @@ from .quant_ref import (
     token_absmax,
     truncate_fp22,
 )
+from .attention_ref import BlockedAttention, expand_kv, pad_tokens, softmax_scale, tile_reduce_max
 from .sas_ref import sas_exp
 
 FP22_K_CHUNK = 32  # k extent of one FP8 mma (m16n8k32): the accumulator is rounded after each
@@ -174,7 +174,7 @@ class QuantAttention(BlockedAttention):
             if v_scale.shape[-2] > 1 and not torch.equal(v_scale, _block_heads(v_scale, cfg.block_k)):
                 raise ValueError(
                     "v_quantized scale varies within a key block; a per-token V scale cannot be factored out "
-                    "of P·V: dequantize V to its operand format first (see kernels/fireq_ref.py)"
+                    "of P·V: dequantize V to its operand format first (see kernels/fireq_kv/fireq_ref.py)"
                 )
         self.v_hat = expand_kv(v_hat, h)
         self.v_scale = v_scale if v_scale.shape[1] == 1 else expand_kv(v_scale, h)

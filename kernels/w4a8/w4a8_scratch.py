@@ -1,4 +1,4 @@
-"""Per-stream scratch memory of the W4A8 launches (the Triton kernels of :mod:`quantpatch.kernels.w4a8_triton` and
+"""Per-stream scratch memory of the W4A8 launches (the Triton kernels of :mod:`quantpatch.kernels.w4a8.w4a8_triton` and
 the Gluon ones): x̂ and β of the fused activation quantization, the decode kernels' counters and split-K partials.
 """
 

@@ -32,12 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .compiled_launch import LaunchPlans, cdiv, interpreting
-from .qk_quant_triton import QuantizedQKV, _to_fp8e4m3
+from ..compiled_launch import LaunchPlans, cdiv, interpreting
+from ..rounding_triton import _to_fp8e4m3
+from .qk_quant_triton import QuantizedQKV
 from .sas_ref import POLY_COEFFS
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 MAGIC_F = tl.constexpr(12582912.0)  # 1.5·2²³: x + MAGIC_F puts rne(x) in the low mantissa bits for |x| < 2²²
 MAGIC_I = tl.constexpr(0x4B400000)  # its bit pattern
 
@@ -301,7 +301,8 @@ def attn_qk_int8_pv_fp8(
     turbo: bool = False,
     p_qmax: int = 119,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the operands of :func:`~quantpatch.kernels.qk_quant_triton.quantize_qkv` for ``nk`` keys.
+    """Attention over the operands of :func:`~quantpatch.kernels.attention.qk_quant_triton.quantize_qkv` for ``nk``
+    keys.
 
     The operand dtypes choose the numerics: ``q_hat`` int8 → INT8 Q·Kᵀ, float8_e4m3fn → FP8;
     ``v_hat_t`` float8_e4m3fn → FP8 P·V (P̂ = e4m3(448 P̃)), int8 → INT8 P·V (P̂ = rne(127 P̃)).
@@ -345,68 +346,4 @@ def attn_qk_int8_pv_fp8(
              RETURN_LSE=return_lse, TWO_LEVEL=two_level_accum, EMULATE=interpreting(), TURBO=turbo),
         num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
-    return o, lse
-
-
-def attn_qk_int8_pv_fp8_ref(
-    x: QuantizedQKV,
-    nk: int,
-    *,
-    is_causal: bool = False,
-    sm_scale: float | None = None,
-    block_q: int = 128,
-    block_n: int = 128,
-    l_from_quantized_p: bool = False,
-    dtype: torch.dtype = torch.float64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's numerics in PyTorch over the same quantized operands and the same key blocks.
-
-    Differences to the kernel are rounding only: exp2 / fp32 arithmetic (so an FP8 or INT8
-    rounding of P̃ can flip at a tie) and the order of the dot products' sums.
-    Returns ``o (B, H, Nq, D)`` and ``lse (B, H, Nq)`` in ``dtype``.
-    """
-    b, h, nq, d = x.q_hat.shape
-    hkv = x.k_hat.shape[1]
-    g = h // hkv
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    pv_int8 = x.v_hat_t.dtype == torch.int8
-    p_max = 127.0 if pv_int8 else 448.0
-    q = x.q_hat.to(dtype)
-    k = x.k_hat[:, :, :nk].to(dtype).repeat_interleave(g, dim=1)
-    v = x.v_hat_t[..., :nk].to(dtype).transpose(-1, -2).repeat_interleave(g, dim=1)
-    qs = x.q_scale.to(dtype)[..., None]
-    ks = x.k_scale[..., :nk].to(dtype).repeat_interleave(g, dim=1)[..., None, :]
-    s = torch.matmul(q, k.transpose(-1, -2)) * qs * ks
-    if x.delta_s.numel():
-        ds = x.delta_s[..., :nk].to(dtype)
-        if x.k_mean.numel():
-            shift = (x.q_mean.to(dtype) * x.k_mean.to(dtype).repeat_interleave(g, dim=1)[:, :, None, :]).sum(-1)
-            ds = ds - shift[..., None]
-        s = s + ds.repeat_interleave(block_q, dim=2)[:, :, :nq]
-    s = s * (scale * LOG2E)
-    if is_causal:
-        rows = torch.arange(nq, device=s.device)[:, None] + (nk - nq)
-        s = s.masked_fill(torch.arange(nk, device=s.device)[None, :] > rows, float("-inf"))
-    m = torch.full((b, h, nq, 1), float("-inf"), dtype=dtype, device=s.device)
-    ell = torch.zeros_like(m)
-    acc = torch.zeros((b, h, nq, d), dtype=dtype, device=s.device)
-    for k0 in range(0, nk, block_n):
-        sj = s[..., k0:k0 + block_n]
-        m_new = torch.maximum(m, sj.amax(-1, keepdim=True))
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        alpha, p = torch.exp2(m - m_safe), torch.exp2(sj - m_safe)
-        if pv_int8:
-            p_hat = torch.round(p * p_max)
-        else:
-            p_hat = torch.clamp(p.float() * p_max, max=448.0).to(torch.float8_e4m3fn).to(dtype)
-        ell = ell * alpha + (p_hat / p_max if l_from_quantized_p else p).sum(-1, keepdim=True)
-        acc = acc * alpha + torch.matmul(p_hat, v[..., k0:k0 + block_n, :])
-        m = m_new
-    vs = x.v_scale.to(dtype)
-    vs = vs.reshape(1, 1, 1, 1) if vs.numel() == 1 else vs.repeat_interleave(g, dim=1)[:, :, None, :]
-    empty = ell == 0
-    o = torch.where(empty, 0.0, acc * vs / p_max / torch.where(empty, 1.0, ell))
-    if x.v_mean.numel():
-        o = torch.where(empty, 0.0, o + x.v_mean.to(dtype).repeat_interleave(g, dim=1)[:, :, None, :])
-    lse = torch.where(empty, float("-inf"), (m + torch.log2(torch.where(empty, 1.0, ell))) * LN2).squeeze(-1)
     return o, lse

@@ -1,0 +1,45 @@
+"""Triton device functions that round as the PyTorch references do, shared by every op's Triton kernels:
+round half to even, the saturating float8 e4m3fn cast (exact in the interpreter too), and IEEE division with one
+reciprocal per divisor."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rne(x):
+    """Round half to even for |x| < 2**22: adding 1.5·2²³ leaves no fraction bits (IEEE RN-even)."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _to_fp8e4m3(x, EMULATE: tl.constexpr):
+    """Saturating round-to-nearest-even cast to float8 e4m3fn.
+
+    On the GPU this is one ``cvt.rn.satfinite``; the interpreter's own cast rounds ties up and
+    mishandles subnormals, so there the value is first rounded onto the E4M3 grid exactly.
+    """
+    if EMULATE:
+        ax = tl.minimum(tl.abs(x), 448.0)
+        e = tl.maximum(((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # binade (subnormals: -6)
+        quantum = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2**(e - 3): 3 mantissa bits
+        r = tl.minimum(_rne(ax / quantum) * quantum, 448.0)
+        x = tl.where(x < 0, -r, r)
+    # on the GPU the cast itself is cvt.rn.satfinite: it saturates, no clamp needed
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _div_by(x, d):
+    """``x / d`` rounded as IEEE division (``div_rn``) for a positive divisor ``d`` broadcast against ``x``,
+    with one reciprocal per divisor: Markstein's correction of ``x · RN(1/d)`` (an exact FMA residual, then
+    one FMA) is the correctly rounded quotient while ``RN(1/d)`` is normal, so ``d`` is first brought into
+    [2⁻⁶⁴, 2⁶⁴] by an exact power of two applied to both operands. The quotient can differ from ``div_rn``
+    only below 2⁻¹²⁶ (``x`` scaled into the subnormals), where every quantizer here rounds it to 0."""
+    f = tl.where(d > 1.8446744073709552e19, 5.421010862427522e-20,
+                 tl.where(d < 5.421010862427522e-20, 1.8446744073709552e19, 1.0))
+    d = d * f
+    x = x * f
+    r = tl.math.div_rn(1.0, d)
+    q = x * r
+    return tl.math.fma(tl.math.fma(-d, q, x), r, q)
