@@ -126,11 +126,12 @@ def make_attention_function() -> Callable:
                         softcap=softcap, is_causal=is_causal, **kwargs)
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         causal = bool(causal) and attention_mask is None and query.shape[2] > 1
+        position_bias = kwargs.get("position_bias")
         if site.policy == "speed" and turbo_layer is None:
             why = speed_reason(site.config, query.device, query.shape[-1], query.shape[2], key.shape[2], causal)
-            if why is None:  # long enough: does a kernel take it (a mask, a dtype)?
-                why = sdpa_reason(AttentionCall(query, key, value, site.config, causal, scaling, attention_mask,
-                                                False))
+            if why is None:  # long enough: does a kernel take it (a mask, a position bias, a dtype)?
+                mask = attention_mask if position_bias is None else position_bias
+                why = sdpa_reason(AttentionCall(query, key, value, site.config, causal, scaling, mask, False))
             if why is not None:  # the model's own attention: exactly its unpatched result and speed
                 note_sdpa_route(site.record, why)
                 return site.original(
@@ -139,7 +140,6 @@ def make_attention_function() -> Callable:
         if causal and turbo_layer is None and query.shape[2] != key.shape[2]:
             key, value, attention_mask = _transformers_causal(query, key, value)
             causal = attention_mask is None
-        position_bias = kwargs.get("position_bias")
         if position_bias is not None:
             attention_mask = _with_position_bias(position_bias, attention_mask, key.shape[2])
         crs = crs_buffers(module) if site.config.numerics == "fireq" else None
