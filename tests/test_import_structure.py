@@ -171,20 +171,24 @@ def test_the_allowed_kernel_imports_still_exist():
 
 def test_loading_kernel_modules_registers_them_with_the_api_layer(monkeypatch):
     """The kernels import nothing of the dispatcher: ``dispatch.load_kernels`` imports them and registers the
-    attention kernels for each numerics family they compute, and the W4A8 kernels with ``W4A8Linear``."""
+    attention kernels for each numerics family they compute, and the W4A8 and TurboCache kernels with their ops."""
     pytest.importorskip("triton", reason="Triton is not installed")
-    from quantpatch import dispatch, w4a8_linear
+    pytest.importorskip("transformers", reason="the TurboCache needs Transformers")
+    from quantpatch import dispatch
+    from quantpatch.patches.transformers import turbo_cache  # noqa: F401  (registers the TurboCache's references)
 
     monkeypatch.setattr(dispatch, "_kernels_tried", set())
-    monkeypatch.setattr(dispatch, "_REGISTRY", {n: list(impls) for n, impls in dispatch._REGISTRY.items()})
-    monkeypatch.setattr(w4a8_linear, "_FAST_PATHS", [])
-    dispatch.load_kernels(dispatch.FAST_PATHS_MODULE)
-    dispatch.load_kernels(dispatch.W4A8_KERNELS_MODULE)
+    monkeypatch.setattr(dispatch, "_REGISTRY", {op: {key: [i for i in impls if i.name == dispatch.REFERENCE]
+                                                     for key, impls in keys.items()}
+                                                for op, keys in dispatch._REGISTRY.items()})
+    for module in dispatch.KERNEL_MODULES.values():
+        dispatch.load_kernels(module)
     fast_paths = sys.modules[dispatch.FAST_PATHS_MODULE]
     for numerics in fast_paths.NUMERICS:
-        best = dispatch.implementations(numerics)[0]
+        best = dispatch.implementations("attention", numerics)[0]
         assert (best.name, best.unsupported, best.run) == ("triton", fast_paths.call_unsupported, fast_paths.run)
-    assert [name for name, _, _ in w4a8_linear._FAST_PATHS] == ["triton"]
+    for op, key in (("w4a8_linear", "w4a8_fp8"), ("turbo_compress", "turbo"), ("turbo_decode", "turbo")):
+        assert [i.name for i in dispatch.implementations(op, key)] == ["triton", dispatch.REFERENCE], op
 
 
 def test_module_level_imports_have_no_cycle():

@@ -45,6 +45,7 @@ import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Callable
 
 import torch
@@ -52,13 +53,24 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from quantpatch.calibration_turbo import HeadPrecision, attention_modules, head_precision_of, kv_config_of
 from quantpatch.config import AttentionConfig, KVCacheConfig, ModeConfig
-from quantpatch.dispatch import preload_kernels
-from quantpatch.fallback import UnsupportedError, fall_back
+from quantpatch.dispatch import (
+    REFERENCE,
+    TURBO_COMPRESS_MODULE,
+    TURBO_DECODE_MODULE,
+    Implementation,
+    Quiet,
+    on_kernels_import,
+    preload_kernels,
+    register,
+    run_op,
+)
+from quantpatch.fallback import UnsupportedError
 from quantpatch.kernels.attention.quant_attention_ref import quant_attention_ref
 from quantpatch.kernels.quant_ref import symmetric_scale
 from quantpatch.kernels.turbo_kv.turbo_ref import (
     CompressedKV,
     Int8Buffer,
+    compress_int8_blocks,
     decode_attention_config,
     per_head_bits,
     turbo_append_ref,
@@ -257,10 +269,10 @@ class TurboLayer(CacheLayerMixin):
             return key_states, value_states
         for x, buf in ((key_states, self.k_buffer), (value_states, self.v_buffer)):
             self._clamped = self._clamped + (torch.round(x.to(buf.scale.dtype) / buf.scale).abs() > buf.qmax).sum()
-        k_kernel = _compress_kernel(key_states, self.k_bits, self.block, "int8")
-        v_kernel = _compress_kernel(value_states, self.v_bits, self.block, "int8")
-        self.k_blocks, self.k_buffer = turbo_append_ref(self.k_blocks, self.k_buffer, key_states, **k_kernel)
-        self.v_blocks, self.v_buffer = turbo_append_ref(self.v_blocks, self.v_buffer, value_states, **v_kernel)
+        self.k_blocks, self.k_buffer = _compress(TurboCompressCall(key_states, self.k_bits, self.block, self.qmax,
+                                                                   self.k_blocks, self.k_buffer))
+        self.v_blocks, self.v_buffer = _compress(TurboCompressCall(value_states, self.v_bits, self.block, self.qmax,
+                                                                   self.v_blocks, self.v_buffer))
         self.cumulative_length += key_states.shape[-2]
         if direct:
             shape = (self.batch, self.kv_heads, self.cumulative_length, self.head_dim)
@@ -277,9 +289,8 @@ class TurboLayer(CacheLayerMixin):
         absmax = x.to(torch.float32).abs().amax(dim=(-2, -1), keepdim=True) * self.headroom  # (B, Hkv, 1, 1)
         if floor is not None:
             absmax = torch.maximum(absmax, floor.to(absmax.device).view(1, -1, 1, 1))
-        return turbo_compress_kv_ref(x, bits, block=self.block, qmax=self.qmax,
-                                     buffer_scale=symmetric_scale(absmax, self.qmax),
-                                     **_compress_kernel(x, bits, self.block, "float"))
+        return _compress(TurboCompressCall(x, bits, self.block, self.qmax,
+                                           buffer_scale=symmetric_scale(absmax, self.qmax)))
 
     def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         for name, x in (("key", key_states), ("value", value_states)):
@@ -366,24 +377,59 @@ class TurboLayer(CacheLayerMixin):
         return 2 * 2 * self.batch * self.kv_heads * self.cumulative_length * self.head_dim
 
 
-def _compress_kernel(x: torch.Tensor, bits: tuple[int, ...], block: int, step: str) -> dict[str, Callable]:
-    """The Triton compression for CUDA ``x`` as a keyword of ``turbo_compress_kv_ref`` (``step="float"``) or
-    ``turbo_append_ref`` (``"int8"``); ``{}`` (the reference) on CPU or, with one warning, where the kernel declines."""
-    if not x.is_cuda:
-        return {}
-    from quantpatch.kernels.turbo_kv.turbo_compress_triton import (
-        compress_unsupported,
-        turbo_compress_blocks,
-        turbo_compress_int8_blocks,
-    )
+# --------------------------------------------------------------------------- compression (op "turbo_compress")
 
-    reason = compress_unsupported(x, bits, block)
-    if reason is not None:
-        fall_back("TurboCache compression kernel", reason, strict=False, to="the PyTorch reference")
-        return {}
-    if step == "float":
-        return {"compress_blocks": turbo_compress_blocks}
-    return {"compress_int8": turbo_compress_int8_blocks}
+
+@dataclass(frozen=True)
+class TurboCompressCall:
+    """K or V states ``x (B, Hkv, n, D)`` into a layer's cache at ``bits`` per KV head: the prompt (``blocks`` None;
+    full blocks of ``block`` tokens, the tail into an INT8 buffer of universal scale ``buffer_scale (B, Hkv, 1, 1)``)
+    or decode tokens appended to ``blocks`` / ``buffer``."""
+
+    x: torch.Tensor
+    bits: tuple[int, ...]
+    block: int
+    qmax: int
+    blocks: CompressedKV | None = None
+    buffer: Int8Buffer | None = None
+    buffer_scale: torch.Tensor | None = None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.x.is_cuda
+
+
+def _compressed_with(call: TurboCompressCall, compress_blocks: Callable | None = None,
+                     compress_int8: Callable = compress_int8_blocks) -> tuple[CompressedKV, Int8Buffer]:
+    """``turbo_compress_kv_ref`` (prompt) or ``turbo_append_ref`` (decode) with the given block compressions."""
+    if call.blocks is None:
+        return turbo_compress_kv_ref(call.x, call.bits, block=call.block, qmax=call.qmax,
+                                     buffer_scale=call.buffer_scale, compress_blocks=compress_blocks)
+    return turbo_append_ref(call.blocks, call.buffer, call.x, compress_int8=compress_int8)
+
+
+def _register_compress_kernels(kernels: ModuleType) -> None:
+    """The Triton block compression (:mod:`quantpatch.kernels.turbo_kv.turbo_compress_triton`) as ``"triton"``."""
+
+    def unsupported(call: TurboCompressCall) -> str | None:
+        if not call.x.is_cuda:
+            return Quiet("inputs are not CUDA tensors")
+        return kernels.compress_unsupported(call.x, call.bits, call.block)
+
+    def run(call: TurboCompressCall) -> tuple[CompressedKV, Int8Buffer]:
+        return _compressed_with(call, kernels.turbo_compress_blocks, kernels.turbo_compress_int8_blocks)
+
+    register("turbo_compress", "turbo", Implementation("triton", 10, unsupported, run))
+
+
+register("turbo_compress", "turbo", Implementation(REFERENCE, 0, lambda call: None, _compressed_with))
+on_kernels_import(TURBO_COMPRESS_MODULE, _register_compress_kernels)
+
+
+def _compress(call: TurboCompressCall) -> tuple[CompressedKV, Int8Buffer]:
+    """The ``(CompressedKV, Int8Buffer)`` of ``call``: the Triton kernel for CUDA states, the reference on the CPU or,
+    with one warning, where the kernel declines."""
+    return run_op("turbo_compress", "turbo", call, what="TurboCache compression kernel")
 
 
 # --------------------------------------------------------------------------- cache
@@ -540,6 +586,63 @@ def cache_attention_config(cfg: AttentionConfig | None, block: int) -> Attention
     return cfg
 
 
+@dataclass(frozen=True)
+class TurboDecodeCall:
+    """``query (B, H, Nq, D)`` over ``layer``'s compressed K/V (:func:`turbo_cache_attention`'s arguments, ``cfg``
+    checked); ``use_kernel`` False: the reference only."""
+
+    query: torch.Tensor
+    layer: TurboLayer
+    cfg: AttentionConfig
+    attn_mask: torch.Tensor | None
+    is_causal: bool
+    scale: float | None
+    use_kernel: bool
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.query.is_cuda
+
+
+def _decode_reference(call: TurboDecodeCall) -> torch.Tensor:
+    """``quant_attention_ref`` on the layer read on the INT8 grid (one float copy per call)."""
+    query, cfg = call.query, call.cfg
+    k_q, v_q = call.layer.quantized(torch.float32)
+    # k only supplies shapes, and K itself to smooth_q's ΔS (off in turbo): skip the float copy otherwise.
+    k = k_q[0] * k_q[1] if cfg.smooth_q else k_q[0]
+    out = quant_attention_ref(query, k, v_q[0], cfg, is_causal=call.is_causal and query.shape[-2] > 1,
+                              scale=call.scale, attn_mask=call.attn_mask, k_quantized=k_q, v_quantized=v_q)
+    return out.to(query.dtype)
+
+
+def _register_decode_kernels(kernels: ModuleType) -> None:
+    """The decode kernel (:mod:`quantpatch.kernels.turbo_kv.turbo_decode_triton`: Triton, Gluon on sm_90 for the
+    code-width groups it takes, ``kernel="auto"``) as ``"triton"``."""
+
+    def parts(call: TurboDecodeCall) -> tuple:
+        layer = call.layer
+        return layer.k_blocks, layer.v_blocks, layer.k_buffer, layer.v_buffer
+
+    def unsupported(call: TurboDecodeCall) -> str | None:
+        if not call.use_kernel:
+            return Quiet("use_kernel=False")
+        if not call.query.is_cuda:
+            return Quiet("inputs are not CUDA tensors")
+        if call.attn_mask is not None:
+            return "attn_mask"
+        return kernels.decode_unsupported(call.query, *parts(call), call.cfg)
+
+    def run(call: TurboDecodeCall) -> torch.Tensor:
+        return kernels.turbo_decode_attention(call.query, *parts(call), cfg=call.cfg, is_causal=call.is_causal,
+                                              scale=call.scale, check=False)
+
+    register("turbo_decode", "turbo", Implementation("triton", 10, unsupported, run))
+
+
+register("turbo_decode", "turbo", Implementation(REFERENCE, 0, lambda call: None, _decode_reference))
+on_kernels_import(TURBO_DECODE_MODULE, _register_decode_kernels)
+
+
 def turbo_cache_attention(
     query: torch.Tensor,
     layer: TurboLayer,
@@ -567,20 +670,8 @@ def turbo_cache_attention(
         ``(B, H, Nq, D)`` in ``query``'s dtype.
     """
     cfg = cache_attention_config(cfg, layer.block)
-    if query.is_cuda and use_kernel is not False:
-        from quantpatch.kernels.turbo_kv.turbo_decode_triton import decode_unsupported, turbo_decode_attention
-
-        parts = (layer.k_blocks, layer.v_blocks, layer.k_buffer, layer.v_buffer)
-        reason = "attn_mask" if attn_mask is not None else decode_unsupported(query, *parts, cfg)
-        if reason is None:
-            return turbo_decode_attention(query, *parts, cfg=cfg, is_causal=is_causal, scale=scale, check=False)
-        fall_back("TurboCache decode kernel", reason, strict=False, to="the PyTorch reference")
-    k_q, v_q = layer.quantized(torch.float32)
-    # k only supplies shapes, and K itself to smooth_q's ΔS (off in turbo): skip the float copy otherwise.
-    k = k_q[0] * k_q[1] if cfg.smooth_q else k_q[0]
-    out = quant_attention_ref(query, k, v_q[0], cfg, is_causal=is_causal and query.shape[-2] > 1, scale=scale,
-                              attn_mask=attn_mask, k_quantized=k_q, v_quantized=v_q)
-    return out.to(query.dtype)
+    call = TurboDecodeCall(query, layer, cfg, attn_mask, is_causal, scale, use_kernel is not False)
+    return run_op("turbo_decode", "turbo", call, what="TurboCache decode kernel")
 
 
 # --------------------------------------------------------------------------- generate hook

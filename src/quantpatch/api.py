@@ -144,7 +144,7 @@ def attention(
         why = sdpa_reason(call) if policy == "speed" else None
         impl = None
         if why is None:
-            impl, declined = select(call)
+            impl, declined = select("attention", cfg.numerics, call)
             if impl is None:
                 fall_back(f"quantpatch.attention(numerics={cfg.numerics!r})", "; ".join(declined), strict=strict)
         if why is not None:

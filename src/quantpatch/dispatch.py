@@ -1,26 +1,44 @@
-"""The one place that picks an attention implementation for a call.
+"""The one backend layer: which implementation of an op serves a call.
 
-Implementations register per numerics family with a priority and an ``unsupported`` check
-(returns why it cannot take a call, or ``None``). :func:`select` returns the best that
-accepts the call, plus the reasons of those that declined; the caller falls back to SDPA
-when none accepts. The pure-PyTorch reference is registered here for every quantized
-numerics; the GPU kernels when :func:`load_kernels` imports them (kernels never import this layer: the
-API side registers what a kernel module exposes).
+Every op has a registry of implementations per key (the numerics it computes): ``attention`` per
+:data:`~quantpatch.config.NUMERICS` family, ``w4a8_linear`` and ``fp8_linear`` per
+:data:`~quantpatch.config.LINEAR_KINDS` kind, ``turbo_compress`` and ``turbo_decode`` for the ``turbo`` KV cache.
+An :class:`Implementation` has a name, a priority and ``unsupported(call)``: why it cannot take a call, or
+``None``. :func:`select` returns the highest-priority one that accepts the call, with the reasons of those that
+declined; :func:`run_op` runs it and reports the declines (one warning per reason, the handle's report).
+
+A call is a small frozen dataclass (:class:`AttentionCall`, :class:`LinearCall`; ``TurboCompressCall`` and
+``TurboDecodeCall`` beside the TurboCache) with an ``is_cuda`` property:
+the first CUDA call imports the op's GPU kernel module (:data:`KERNEL_MODULES`). The pure-PyTorch reference of
+each op registers at priority 0 (attention's here, the others where their op lives); the GPU kernels register when
+:func:`load_kernels` imports them, through :func:`on_kernels_import` (kernels never import this layer).
+Architecture checks are the kernels' own (:mod:`quantpatch.kernels.device`), asked in their ``unsupported``.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from quantpatch.config import NUMERICS, AttentionConfig
-from quantpatch.fallback import logger
+from quantpatch.fallback import SiteRecord, fall_back, logger
 
 REFERENCE_HEAD_DIMS = (32, 256)  # the range every mode supports; others fall back to SDPA
+REFERENCE = "reference"  # the name of every op's pure-PyTorch implementation
+
+# op -> the keys its implementations register under
+OPS: dict[str, tuple[str, ...]] = {
+    "attention": tuple(n for n in NUMERICS if n != "none"),
+    "w4a8_linear": ("w4a8_fp8",),
+    "fp8_linear": ("fp8",),
+    "turbo_compress": ("turbo",),
+    "turbo_decode": ("turbo",),
+}
 
 
 @dataclass(frozen=True)
@@ -36,37 +54,79 @@ class AttentionCall:
     attn_mask: torch.Tensor | None
     return_lse: bool
 
+    @property
+    def is_cuda(self) -> bool:
+        return self.q.is_cuda
+
+
+@dataclass(frozen=True)
+class LinearCall:
+    """``x (..., K)`` through a quantized linear ``layer`` (ops ``w4a8_linear``, ``fp8_linear``)."""
+
+    x: torch.Tensor
+    layer: torch.nn.Module
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.x.is_cuda
+
 
 @dataclass(frozen=True)
 class Implementation:
+    """One way to run an op: ``unsupported(call)`` says why it cannot take ``call`` (None: it can), ``run(call)``
+    computes it. Higher ``priority`` is tried first."""
+
     name: str
     priority: int
-    unsupported: Callable[[AttentionCall], str | None]
-    run: Callable[[AttentionCall], object]
+    unsupported: Callable[[Any], str | None]
+    run: Callable[[Any], Any]
 
 
-_REGISTRY: dict[str, list[Implementation]] = {n: [] for n in NUMERICS if n != "none"}
+class Quiet(str):
+    """A reason an implementation declines a call without a warning: the call is not one it is meant for (another
+    device's, an empty input), and the next implementation is that call's path, not a fallback."""
+
+    __slots__ = ()
 
 
-def register(numerics: str, impl: Implementation) -> None:
-    """Add ``impl`` for ``numerics``; higher priority is tried first."""
-    if numerics not in _REGISTRY:
-        raise ValueError(f"unknown numerics {numerics!r}; valid: {sorted(_REGISTRY)}")
-    _REGISTRY[numerics] = sorted([*_REGISTRY[numerics], impl], key=lambda i: -i.priority)
+_REGISTRY: dict[str, dict[str, list[Implementation]]] = {op: {key: [] for key in keys} for op, keys in OPS.items()}
 
 
-def implementations(numerics: str) -> list[Implementation]:
-    return list(_REGISTRY[numerics])
+def register(op: str, key: str, impl: Implementation) -> None:
+    """Add ``impl`` for ``op`` on calls of ``key`` (replacing one of the same name); higher priority is tried first."""
+    if op not in _REGISTRY:
+        raise ValueError(f"unknown op {op!r}; valid: {sorted(_REGISTRY)}")
+    if key not in _REGISTRY[op]:
+        raise ValueError(f"unknown key {key!r} of op {op!r}; valid: {sorted(_REGISTRY[op])}")
+    others = [i for i in _REGISTRY[op][key] if i.name != impl.name]
+    _REGISTRY[op][key] = sorted([*others, impl], key=lambda i: -i.priority)
 
+
+def implementations(op: str, key: str) -> list[Implementation]:
+    """``op``'s implementations for ``key``, in the order they are tried."""
+    return list(_REGISTRY[op][key])
+
+
+FAST_PATHS_MODULE = "quantpatch.kernels.attention.fast_paths"  # the attention kernels (registered below)
+W4A8_KERNELS_MODULE = "quantpatch.kernels.w4a8.w4a8_triton"  # registered by quantpatch.w4a8_linear
+# TurboCache's compression and decode kernels (registered by patches/transformers/turbo_cache.py)
+TURBO_COMPRESS_MODULE = "quantpatch.kernels.turbo_kv.turbo_compress_triton"
+TURBO_DECODE_MODULE = "quantpatch.kernels.turbo_kv.turbo_decode_triton"
+TURBO_KERNELS_MODULES = (TURBO_COMPRESS_MODULE, TURBO_DECODE_MODULE)
+# op -> the GPU kernel module that the op's first CUDA call imports (fp8_linear's GPU path is torch._scaled_mm)
+KERNEL_MODULES = {"attention": FAST_PATHS_MODULE, "w4a8_linear": W4A8_KERNELS_MODULE,
+                  "turbo_compress": TURBO_COMPRESS_MODULE, "turbo_decode": TURBO_DECODE_MODULE}
 
 _kernels_tried: set[str] = set()
 _ON_IMPORT: dict[str, Callable[[ModuleType], None]] = {}
 
 
 def on_kernels_import(module: str, register: Callable[[ModuleType], None]) -> None:
-    """Have :func:`load_kernels` pass the kernel module ``module`` to ``register`` when it imports it: how an API
-    module registers kernels with its own dispatch point (``quantpatch.w4a8_linear`` does at its import)."""
+    """Have :func:`load_kernels` pass the kernel module ``module`` to ``register`` when it imports it (at once if it
+    has): how the module of an op registers that op's kernels (``quantpatch.w4a8_linear`` does at its import)."""
     _ON_IMPORT[module] = register
+    if module in _kernels_tried and module in sys.modules:
+        register(sys.modules[module])
 
 
 def load_kernels(module: str) -> None:
@@ -85,18 +145,11 @@ def load_kernels(module: str) -> None:
         register(kernels)
 
 
-FAST_PATHS_MODULE = "quantpatch.kernels.attention.fast_paths"  # the attention kernels (registered below)
-W4A8_KERNELS_MODULE = "quantpatch.kernels.w4a8.w4a8_triton"  # registered by quantpatch.w4a8_linear
-# TurboCache's compression and decode kernels (patches/transformers/turbo_cache.py imports them by name per call)
-TURBO_KERNELS_MODULES = ("quantpatch.kernels.turbo_kv.turbo_compress_triton",
-                         "quantpatch.kernels.turbo_kv.turbo_decode_triton")
-
-
 def _register_attention_kernels(kernels: ModuleType) -> None:
     """The attention kernels as one implementation of every numerics family they compute."""
     impl = Implementation("triton", 10, kernels.call_unsupported, kernels.run)
     for numerics in kernels.NUMERICS:
-        register(numerics, impl)
+        register("attention", numerics, impl)
 
 
 on_kernels_import(FAST_PATHS_MODULE, _register_attention_kernels)
@@ -111,25 +164,56 @@ def preload_kernels() -> None:
     """
     if torch.cuda.is_available():
         crossover_lookup()
-        for module in (FAST_PATHS_MODULE, W4A8_KERNELS_MODULE, *TURBO_KERNELS_MODULES):
+        for module in KERNEL_MODULES.values():
             load_kernels(module)
 
 
-def select(call: AttentionCall) -> tuple[Implementation | None, list[str]]:
-    """The highest-priority implementation that accepts ``call``, and why the others declined."""
-    if call.q.is_cuda:
-        load_kernels(FAST_PATHS_MODULE)
+def _choose(op: str, key: str, call: Any) -> tuple[Implementation | None, list[tuple[str, str]]]:
+    """The highest-priority implementation that accepts ``call``, and ``(name, reason)`` of those that declined."""
+    module = KERNEL_MODULES.get(op)
+    if module is not None and call.is_cuda:
+        load_kernels(module)
     declined = []
-    for impl in _REGISTRY[call.config.numerics]:
+    for impl in _REGISTRY[op][key]:
         reason = impl.unsupported(call)
         if reason is None:
             return impl, declined
-        declined.append(f"{impl.name}: {reason}")
+        declined.append((impl.name, reason))
     return None, declined
 
 
+def select(op: str, key: str, call: Any) -> tuple[Implementation | None, list[str]]:
+    """The highest-priority implementation of ``op`` for ``key`` that accepts ``call``, and why the others declined
+    (``"name: reason"``)."""
+    impl, declined = _choose(op, key, call)
+    return impl, [f"{name}: {reason}" for name, reason in declined]
+
+
+def run_op(op: str, key: str, call: Any, *, what: str, record: SiteRecord | None = None) -> Any:
+    """Run ``call`` on the implementation :func:`select` picks.
+
+    The reasons of the implementations that declined it before (but :class:`Quiet` ones) are a fallback of ``what``:
+    one warning per reason, recorded on the running site (``fall_back``) and on ``record``. ``record`` also counts
+    the call under the implementation's name (its ``routes``).
+    """
+    impl, declined = _choose(op, key, call)
+    if impl is None:
+        raise ValueError(f"{what}: no implementation takes this call ({'; '.join(r for _, r in declined)})")
+    if declined:
+        loud = [reason for _, reason in declined if not isinstance(reason, Quiet)]
+        if loud:
+            reason = "; ".join(dict.fromkeys(loud))
+            fall_back(what, reason, strict=False,
+                      to="the PyTorch reference" if impl.name == REFERENCE else f"the {impl.name} implementation")
+            if record is not None:
+                record.fallbacks.add(reason)
+    out = impl.run(call)
+    if record is not None:
+        record.routes[impl.name] = record.routes.get(impl.name, 0) + 1
+    return out
+
+
 POLICIES = ("speed", "always")
-REFERENCE = "reference"
 _CROSSOVERS: dict[tuple, tuple[float, str]] = {}
 
 
@@ -193,7 +277,7 @@ def sdpa_reason(call: AttentionCall) -> str | None:
     q, k = call.q, call.k
     why = speed_reason(call.config, q.device, q.shape[-1], q.shape[2], k.shape[2], call.is_causal)
     if why is None:
-        impl, declined = select(call)
+        impl, declined = select("attention", call.config.numerics, call)
         if impl is None or impl.name == REFERENCE:
             why = f"only the PyTorch reference takes this call ({'; '.join(declined)})"
     return why
@@ -237,5 +321,5 @@ def _reference_run(call: AttentionCall):
     )
 
 
-for _numerics in _REGISTRY:
-    register(_numerics, Implementation(REFERENCE, 0, _reference_unsupported, _reference_run))
+for _numerics in OPS["attention"]:
+    register("attention", _numerics, Implementation(REFERENCE, 0, _reference_unsupported, _reference_run))

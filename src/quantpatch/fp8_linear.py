@@ -8,17 +8,18 @@
     s_x = absmax(x[m, :]) / 448    x_fp8 = e4m3(x / s_x)      per call (per token)
     y = (x_fp8 · W_fp8ᵀ) ⊙ s_x ⊙ s_wᵀ (+ bias), float32 accumulation, output in x's dtype
 
-``forward`` routes once per (device, dtype, bias) in :func:`scaled_mm_unsupported`:
+``forward`` is the ``fp8_linear`` op of :mod:`quantpatch.dispatch`, with two implementations registered here
+(the GPU one's device, dtype and bias are checked once per key, :func:`scaled_mm_unsupported`):
 
-* GPU path (CUDA sm_89+, torch ≥ 2.5 with ``torch._scaled_mm``, an output dtype that its row-wise
+* ``"scaled_mm"``, the GPU path (CUDA sm_89+, torch ≥ 2.5 with ``torch._scaled_mm``, an output dtype that its row-wise
   scaling takes on this GPU): the Triton kernel of :mod:`quantpatch.kernels.fp8_linear.fp8_quant_triton` quantizes
   the activations in one launch (bit for bit the reference's ``x_fp8``, ``s_x``), then
   ``torch._scaled_mm(x_fp8, W_fp8ᵀ, scale_a=s_x (M, 1), scale_b=s_w (1, N), bias, out_dtype=x.dtype)``
   with ``use_fast_accum=False`` (FP8 MMA partials promoted to float32).
-* elsewhere the reference: on the CPU that is the path (silent); a CUDA device the GPU path cannot
+* ``"reference"`` elsewhere: on the CPU that is the path (silent); a CUDA device the GPU path cannot
   serve warns once with the reason and records it in the handle's report.
 
-The route taken is counted per call on the layer's report site (``handle.report()``).
+The implementation taken is counted per call on the layer's report site (``handle.report()``).
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from quantpatch.fallback import SiteRecord, fall_back
+from quantpatch.dispatch import REFERENCE, Implementation, LinearCall, Quiet, register, run_op
+from quantpatch.fallback import SiteRecord
 from quantpatch.kernels.device import cuda_unsupported
 from quantpatch.kernels.fp8_linear.fp8_linear_ref import fp8_linear_ref, quantize_rows_fp8_ref
 
 # torch._scaled_mm takes K and N multiples of 16 (cuBLASLt / CUTLASS FP8 alignment).
 SCALED_MM_MULTIPLE = 16
-ROUTE_GPU, ROUTE_REFERENCE = "scaled_mm", "reference"
+ROUTE_GPU, ROUTE_REFERENCE = "scaled_mm", REFERENCE  # the implementations' names, as the report counts them
+OP, KEY = "fp8_linear", "fp8"  # the op of quantpatch.dispatch and its key (LinearConfig.kind)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _REASONS: dict[tuple[torch.device, torch.dtype, bool], str | None] = {}
 _QUANTIZER: list[Callable] = []  # the Triton activation quantizer once imported (Triton loads only for the GPU path)
@@ -108,6 +111,34 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale
                             out_dtype=x.dtype, use_fast_accum=False)
 
 
+def _gpu_unsupported(call: LinearCall) -> str | None:
+    """Why the GPU path cannot take ``call``: a reason to warn about on a CUDA device; :class:`Quiet` off CUDA (the
+    reference is that device's path) and for an empty input."""
+    x, bias = call.x, call.layer.bias
+    reason = scaled_mm_unsupported(x.device, x.dtype, bias is not None)
+    if reason is None and bias is not None and bias.dtype != x.dtype:
+        reason = f"bias dtype {bias.dtype} differs from the input dtype {x.dtype}"
+    if reason is not None:
+        return reason if x.is_cuda else Quiet(reason)
+    return None if x.numel() else Quiet("an empty input")
+
+
+def _gpu_run(call: LinearCall) -> torch.Tensor:
+    x, layer = call.x, call.layer
+    x2 = x.reshape(-1, layer.in_features)
+    return fp8_linear_scaled_mm(x2 if x2.stride(-1) == 1 else x2.contiguous(), layer.weight_fp8, layer.weight_scale,
+                                layer.bias).view(*x.shape[:-1], layer.out_features)
+
+
+def _reference(call: LinearCall) -> torch.Tensor:
+    layer = call.layer
+    return fp8_linear_ref(call.x, layer.weight_fp8, layer.weight_scale, layer.bias)
+
+
+register(OP, KEY, Implementation(ROUTE_GPU, 10, _gpu_unsupported, _gpu_run))
+register(OP, KEY, Implementation(ROUTE_REFERENCE, 0, lambda call: None, _reference))
+
+
 class FP8Linear(nn.Module):
     """``y = x Wᵀ + b`` with e4m3 weights per output channel and e4m3 activations per token (inference only).
 
@@ -151,26 +182,8 @@ class FP8Linear(nn.Module):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        has_bias = self.bias is not None
-        reason = scaled_mm_unsupported(x.device, x.dtype, has_bias)
-        if reason is None and (has_bias and self.bias.dtype != x.dtype):
-            reason = f"bias dtype {self.bias.dtype} differs from the input dtype {x.dtype}"
-        if reason is None and x.numel():
-            x2 = x.reshape(-1, self.in_features)
-            y = fp8_linear_scaled_mm(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.weight_fp8,
-                                     self.weight_scale, self.bias).view(*x.shape[:-1], self.out_features)
-            route = ROUTE_GPU
-        else:
-            if x.is_cuda and reason is not None:
-                fall_back(f"FP8Linear({self.in_features}->{self.out_features})", reason, strict=False,
-                          to="the PyTorch reference")
-                if self.site is not None:
-                    self.site.fallbacks.add(reason)
-            y = fp8_linear_ref(x, self.weight_fp8, self.weight_scale, self.bias)
-            route = ROUTE_REFERENCE
-        if self.site is not None:
-            self.site.routes[route] = self.site.routes.get(route, 0) + 1
-        return y
+        return run_op(OP, KEY, LinearCall(x, self), what=f"FP8Linear({self.in_features}->{self.out_features})",
+                      record=self.site)
 
     def _apply(self, fn, recurse=True):
         # ``model.to(torch.bfloat16)`` casts every floating buffer, FP8 ones included; the e4m3 weight and

@@ -4,24 +4,32 @@ The packed weight lives in buffers (so ``state_dict`` / safetensors carry it and
 moves it): ``qweight uint8 (O, Kp/2)``, ``scales float8_e4m3fn (O, G)``, ``pts_exp int32 ()``
 and an optional ``bias (O,)``. Numerics and layout: :mod:`quantpatch.kernels.w4a8.w4a8_ref`.
 
-``forward`` goes through :func:`w4a8_matmul`, the one dispatch point: a registered fast path
-for the inputs it accepts, else the pure-PyTorch reference computing in float32 (FireQ's
-accumulator precision). The Triton kernels (:mod:`quantpatch.kernels.w4a8.w4a8_triton`, FP8 dots:
-sm_89+) are imported on the first CUDA input (or by ``patch_model``) and registered here; on other devices the
-reference is the path, and shapes the kernels do not take fall back to it with one warning.
+``forward`` goes through :func:`w4a8_matmul`: the ``w4a8_linear`` op of :mod:`quantpatch.dispatch`, whose
+implementations are the Triton kernels (:mod:`quantpatch.kernels.w4a8.w4a8_triton`, FP8 dots: sm_89+; the Gluon
+ones on sm_90), imported on the first CUDA input (or by ``patch_model``) and registered here, and the pure-PyTorch
+reference computing in float32 (FireQ's accumulator precision). On other devices the reference is the path;
+shapes the kernels do not take fall back to it with one warning.
 """
 
 from __future__ import annotations
 
 import math
 from types import ModuleType
-from typing import Callable
 
 import torch
 from torch import nn
 
-from quantpatch.dispatch import W4A8_KERNELS_MODULE, load_kernels, on_kernels_import
-from quantpatch.fallback import fall_back, note_implementation
+from quantpatch.dispatch import (
+    REFERENCE,
+    W4A8_KERNELS_MODULE,
+    Implementation,
+    LinearCall,
+    Quiet,
+    on_kernels_import,
+    register,
+    run_op,
+)
+from quantpatch.fallback import note_implementation
 from quantpatch.kernels.w4a8.w4a8_ref import (
     GROUP_SIZE,
     WEIGHT_OPERANDS,
@@ -33,51 +41,34 @@ from quantpatch.kernels.w4a8.w4a8_ref import (
     weight_nbytes,
 )
 
-# (name, accepts(x, module) -> bool, run(x, module) -> y): tried in order before the reference.
-_FAST_PATHS: list[tuple[str, Callable, Callable]] = []
-
-
-def register_w4a8_fast_path(name: str, accepts: Callable, run: Callable) -> None:
-    """Register a kernel for :func:`w4a8_matmul` (e.g. the Triton GEMM); later registrations win."""
-    _FAST_PATHS[:] = [p for p in _FAST_PATHS if p[0] != name]
-    _FAST_PATHS.insert(0, (name, accepts, run))
+OP, KEY = "w4a8_linear", "w4a8_fp8"  # the op of quantpatch.dispatch and its key (LinearConfig.kind)
 
 
 def _register_kernels(kernels: ModuleType) -> None:
-    """The Triton kernels (:mod:`quantpatch.kernels.w4a8.w4a8_triton`) as the ``"triton"`` fast path."""
+    """The Triton kernels (:mod:`quantpatch.kernels.w4a8.w4a8_triton`) as the ``"triton"`` implementation."""
 
-    def accepts(x: torch.Tensor, module: W4A8Linear) -> bool:
-        """Silent where the device cannot run the kernels (the reference is that device's path), one warning per
-        reason where a capable device gets a layer they do not take."""
-        if kernels.device_unsupported(x) is not None:
-            return False
-        reason = kernels.layer_unsupported(x, module)
+    def unsupported(call: LinearCall) -> str | None:
+        """Quiet where the device cannot run the kernels (the reference is that device's path), a reason to warn
+        about where a capable device gets a layer they do not take."""
+        reason = kernels.device_unsupported(call.x)
         if reason is not None:
-            fall_back(f"W4A8Linear({module.in_features}->{module.out_features})", reason, strict=False,
-                      to="the PyTorch reference")
-            return False
-        return True
+            return Quiet(reason)
+        return kernels.layer_unsupported(call.x, call.layer)
 
-    def run(x: torch.Tensor, module: W4A8Linear) -> torch.Tensor:
-        y = kernels.w4a8_linear(x, module.qweight, module.scales, module.pts_exp, module.bias)
+    def run(call: LinearCall) -> torch.Tensor:
+        x, layer = call.x, call.layer
+        y = kernels.w4a8_linear(x, layer.qweight, layer.scales, layer.pts_exp, layer.bias)
         # asked after the call: a Gluon kernel that failed to compile has switched this device to Triton
-        gluon = kernels.uses_gluon(math.prod(x.shape[:-1]), module.out_features, module.in_features, x.device)
+        gluon = kernels.uses_gluon(math.prod(x.shape[:-1]), layer.out_features, layer.in_features, x.device)
         note_implementation("gluon" if gluon else "triton")
         return y
 
-    register_w4a8_fast_path("triton", accepts, run)
+    register(OP, KEY, Implementation("triton", 10, unsupported, run))
 
 
-on_kernels_import(W4A8_KERNELS_MODULE, _register_kernels)
-
-
-def w4a8_matmul(x: torch.Tensor, module: W4A8Linear) -> torch.Tensor:
-    """``module``'s product on ``x (..., K)``: the first registered fast path that accepts it, else the reference."""
-    if x.is_cuda:  # the Triton kernels are imported (and registered) once
-        load_kernels(W4A8_KERNELS_MODULE)
-    for _, accepts, run in _FAST_PATHS:
-        if accepts(x, module):
-            return run(x, module)
+def _reference(call: LinearCall) -> torch.Tensor:
+    """:func:`~quantpatch.kernels.w4a8.w4a8_ref.w4a8_linear_ref` of the layer's buffers."""
+    x, module = call.x, call.layer
     packed = module.packed()
     unpacked = None
     if module.cache_unpacked:  # reference speed-up: unpack once per weight version
@@ -88,6 +79,15 @@ def w4a8_matmul(x: torch.Tensor, module: W4A8Linear) -> torch.Tensor:
         unpacked = module._unpacked[1]
     return w4a8_linear_ref(x, packed, module.bias, operand=module.weight_operand,
                            compute_dtype=module.compute_dtype, unpacked=unpacked)
+
+
+register(OP, KEY, Implementation(REFERENCE, 0, lambda call: None, _reference))
+on_kernels_import(W4A8_KERNELS_MODULE, _register_kernels)
+
+
+def w4a8_matmul(x: torch.Tensor, module: W4A8Linear) -> torch.Tensor:
+    """``module``'s product on ``x (..., K)`` → ``(..., O)``: the best implementation that takes it."""
+    return run_op(OP, KEY, LinearCall(x, module), what=f"W4A8Linear({module.in_features}->{module.out_features})")
 
 
 class W4A8Linear(nn.Module):

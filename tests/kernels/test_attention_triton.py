@@ -362,7 +362,7 @@ def test_gpu_public_api_takes_the_triton_path(layout):
     cfg = get_mode("sage2-8b").attention
     from quantpatch.dispatch import AttentionCall
 
-    impl, declined = select(AttentionCall(q, k, v, cfg, True, None, None, False))
+    impl, declined = select("attention", cfg.numerics, AttentionCall(q, k, v, cfg, True, None, None, False))
     assert impl is not None and impl.name == "triton", declined
     args = (q, k, v) if layout == "BHSD" else tuple(t.transpose(1, 2) for t in (q, k, v))
     o = qp.attention(*args, mode="sage2-8b", is_causal=True, layout=layout, strict=True)

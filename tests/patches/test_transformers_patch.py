@@ -241,7 +241,7 @@ def test_patched_attention_adds_no_graph_breaks_around_a_kernel_op(monkeypatch, 
 
     stand_in = dispatch.Implementation("stand-in", 100, lambda call: None,
                                        lambda call: _stand_in_attention(call.q, call.k, call.v, call.is_causal))
-    monkeypatch.setitem(dispatch._REGISTRY, "sage2", [stand_in, *dispatch._REGISTRY["sage2"]])
+    monkeypatch.setitem(dispatch._REGISTRY["attention"], "sage2", [stand_in, *dispatch._REGISTRY["attention"]["sage2"]])
     model, ids = tiny_model("llama"), torch.randint(3, 100, (2, 40))
     torch._dynamo.reset()
     alive = qp.TurboCache(model)  # a TurboCache elsewhere in the process must not put its lookup in the graph

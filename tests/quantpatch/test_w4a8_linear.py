@@ -19,7 +19,7 @@ from quantpatch.kernels.w4a8.w4a8_ref import (
     weight_nbytes,
 )
 from quantpatch.metrics import cos_sim
-from quantpatch.w4a8_linear import W4A8Linear, register_w4a8_fast_path, w4a8_matmul
+from quantpatch.w4a8_linear import W4A8Linear, w4a8_matmul
 from tests.gpu import needs_cuda
 
 # W4A8 on randn weights/activations, group 128: INT4 gives SQNR ≈ 20 dB (σ = absmax/7 over a
@@ -186,18 +186,20 @@ def test_weight_memory_is_over_3_5x_smaller_than_bf16():
     assert fp["bf16_weight"] / (fp["qweight"] + fp["scales"]) >= 3.5
 
 
-def test_fast_path_registry_is_tried_first():
+def test_a_registered_implementation_is_tried_first(monkeypatch):
+    from quantpatch import dispatch
+
+    monkeypatch.setattr(dispatch, "_REGISTRY", {**dispatch._REGISTRY, "w4a8_linear": {
+        key: list(impls) for key, impls in dispatch._REGISTRY["w4a8_linear"].items()}})
     mod = W4A8Linear.from_linear(torch.nn.Linear(128, 4))
     calls = []
-    register_w4a8_fast_path("test-sentinel", lambda x, m: x.shape[0] == 1, lambda x, m: calls.append(1) or x[:, :4])
-    try:
-        w4a8_matmul(torch.ones(1, 128), mod)
-        w4a8_matmul(torch.ones(2, 128), mod)
-        assert calls == [1]
-    finally:
-        from quantpatch import w4a8_linear
-
-        w4a8_linear._FAST_PATHS[:] = [p for p in w4a8_linear._FAST_PATHS if p[0] != "test-sentinel"]
+    dispatch.register("w4a8_linear", "w4a8_fp8", dispatch.Implementation(
+        "test-sentinel", 100, lambda call: None if call.x.shape[0] == 1 else dispatch.Quiet("more than one token"),
+        lambda call: calls.append(1) or call.x[:, :4]))
+    one = w4a8_matmul(torch.ones(1, 128), mod)
+    two = w4a8_matmul(torch.ones(2, 128), mod)
+    assert calls == [1] and torch.equal(one, torch.ones(1, 4))
+    assert torch.equal(two, w4a8_linear_ref(torch.ones(2, 128), mod.packed(), mod.bias, compute_dtype=torch.float32))
 
 
 def test_bad_arguments_raise():
