@@ -10,7 +10,7 @@ variant shares them); each variant reloads the model, converts it with its own s
 is scored with ``eval/perplexity.py``'s sliding-window perplexity. Attention per variant:
 ``float`` (the model's own), ``fp8`` (the ``fireq`` FP8 prefill attention with online CRS),
 ``kv4`` (K and V through FireQ's INT4 per-token cache with online CRS, Q and P̃ in FP8,
-attended by every query: :func:`quantpatch.convert.fireq_attention_ref`), or ``kv4-k`` /
+attended by every query: :func:`quantpatch.methods.fireq.fireq_attention_ref`), or ``kv4-k`` /
 ``kv4-v`` (only K, or only V, replaced by its INT4 cache operand ``e4m3(x̂ σ)``, float
 attention otherwise: where the INT4 cost comes from). The attention runs through a temporary
 ``AttentionInterface`` registration (:func:`fireq_attention`), evaluation only.
@@ -41,8 +41,9 @@ import torch
 
 from quantpatch.calibration import CalibrationStats, calibrate
 from quantpatch.checkpoint import load
-from quantpatch.convert import FireQOptions, convert, fireq_attention_ref
+from quantpatch.conversion import FireQOptions, convert
 from quantpatch.crs import crs_buffers
+from quantpatch.methods.fireq import fireq_attention_ref
 from quantpatch.modes import get_mode
 from quantpatch.w4a8_linear import W4A8Linear
 

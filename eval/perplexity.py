@@ -149,7 +149,8 @@ def cache_factory(model, spec: str, head_precision):
     """A zero-argument constructor of the cache named ``spec`` (see the module docstring)."""
     from transformers import DynamicCache
 
-    from quantpatch.calibration_turbo import HeadPrecision, random_head_precision
+    from quantpatch.head_precision import HeadPrecision
+    from quantpatch.methods.turbo import random_head_precision
 
     if spec == "dynamic":
         return DynamicCache
@@ -209,7 +210,7 @@ def run(args: argparse.Namespace) -> dict:
         n_tokens = len(ids)
     head_precision = None
     if args.calib:
-        from quantpatch.calibration_turbo import calibrate_head_precision, load_texts
+        from quantpatch.methods.turbo import calibrate_head_precision, load_texts
 
         head_precision = calibrate_head_precision(model, load_texts(args.calib, args.calib_docs), tokenizer,
                                                   n_h=args.n_h, ranking=args.ranking, max_length=args.window)

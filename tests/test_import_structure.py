@@ -202,8 +202,9 @@ def test_the_cycle_finder_reports_a_cycle():
 
 
 def test_patched_attention_does_not_import_the_conversion_stack():
-    """Importing the Transformers attention (what ``patch_model`` on a Llama runs) reaches ``quantpatch.convert``
-    through no module-level import: CRS comes from :mod:`quantpatch.crs`. Parent packages count, except the root
+    """Importing the Transformers attention (what ``patch_model`` on a Llama runs) reaches no calibration method
+    (``quantpatch.methods``) through a module-level import: CRS comes from :mod:`quantpatch.crs`, TurboAttention's
+    head widths from :mod:`quantpatch.head_precision`. Parent packages count, except the root
     ``quantpatch/__init__.py`` (the public API, which exports ``convert``)."""
     graph = _module_level_graph()
     seen, todo = set(), ["quantpatch.patches.transformers.attention"]
@@ -214,5 +215,5 @@ def test_patched_attention_does_not_import_the_conversion_stack():
         seen.add(module)
         parents = [module.rsplit(".", i)[0] for i in range(1, module.count("."))]
         todo.extend([*graph[module], *parents])
-    assert "quantpatch.crs" in seen
-    assert "quantpatch.convert" not in seen
+    assert {"quantpatch.crs", "quantpatch.head_precision"} <= seen
+    assert not [m for m in seen if m == "quantpatch.methods" or m.startswith("quantpatch.methods.")]

@@ -51,7 +51,6 @@ from typing import Any, Callable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from quantpatch.calibration_turbo import HeadPrecision, attention_modules, head_precision_of, kv_config_of
 from quantpatch.config import AttentionConfig, KVCacheConfig, ModeConfig
 from quantpatch.dispatch import (
     REFERENCE,
@@ -65,6 +64,7 @@ from quantpatch.dispatch import (
     run_op,
 )
 from quantpatch.fallback import UnsupportedError
+from quantpatch.head_precision import HeadPrecision, attention_modules, head_precision_of, kv_config_of
 from quantpatch.kernels.attention.quant_attention_ref import quant_attention_ref
 from quantpatch.kernels.quant_ref import symmetric_scale
 from quantpatch.kernels.turbo_kv.turbo_ref import (

@@ -6,12 +6,12 @@ not initialised.
 
 from quantpatch.api import attention
 from quantpatch.calibration import CalibrationStats, calibrate
-from quantpatch.calibration_turbo import HeadPrecision, calibrate_head_precision
 from quantpatch.checkpoint import CheckpointError, load, save
 from quantpatch.config import AttentionConfig, KVCacheConfig, LinearConfig, ModeConfig
-from quantpatch.convert import FireQOptions, convert
+from quantpatch.conversion import FireQOptions, convert
 from quantpatch.fallback import QuantpatchFallbackWarning, UnsupportedError
 from quantpatch.fp8_linear import FP8Linear
+from quantpatch.head_precision import HeadPrecision
 from quantpatch.metrics import all_metrics, cos_sim, mre, rel_l1, rmse
 from quantpatch.modes import MODES, available_modes, get_mode
 from quantpatch.patching import PatchHandle, patch_model
@@ -20,8 +20,10 @@ from quantpatch.w4a8_linear import W4A8Linear
 
 __version__ = "0.1.0"
 
-# Names served by a module that imports a heavy library (Transformers), loaded on first access.
-_LAZY = {"TurboCache": "quantpatch.patches.transformers.turbo_cache"}
+# Names served by a module that imports a heavy library (Transformers) or a calibration method (imported only
+# by the modes that need it), loaded on first access.
+_LAZY = {"TurboCache": "quantpatch.patches.transformers.turbo_cache",
+         "calibrate_head_precision": "quantpatch.methods.turbo"}
 
 
 def __getattr__(name: str):

@@ -4,19 +4,12 @@
 ``seq_len`` tokens), runs them one at a time under ``torch.no_grad`` with a tqdm bar, and
 returns a :class:`CalibrationStats`. Hooks are always removed, also when a forward raises.
 
-Dispatch: the mode's KV-cache kind (else its linear kind) picks a *calibrator* from
-:data:`CALIBRATORS`; a calibrator is ``fn(model, samples, config, progress) -> CalibrationStats``
-with ``samples`` a list of ``(1, N)`` int64 token tensors. ``"fireq"`` is implemented here;
-``"turbo"`` (head priority = gap × std) is resolved lazily from
-``quantpatch.calibration_turbo:calibrate_turbo``; :func:`register_calibrator` adds others.
-
-FireQ statistics (keys ``"<module FQN>:<stat>"`` in :attr:`CalibrationStats.tensors`, float32):
-
-* every decoder linear's input ``x (…, K)``: ``act_absmax (K,)`` = ``max |x_c|`` and
-  ``act_absmean (K,)`` = mean ``|x_c|`` over all calibration tokens;
-* every attention module: ``k_pair_norm_max (Hkv, D/2)`` = ``max_n ‖(k_i, k_{i+D/2})‖₂`` of the
-  pre-RoPE keys (RPN, FireQ Thm. 3.1), ``k_absmax (Hkv, D)`` = post-RoPE ``max_n |k_c|`` (CRS
-  pair choice and factors, §3.2.1), ``v_absmax (Hkv, D)`` (diagnostics).
+The statistics depend on the method: the mode's :func:`calibration_key` (its KV-cache kind, else
+``"fireq"`` for W4A8 linears) picks the calibrator of its method (:mod:`quantpatch.methods`: FireQ's
+activation and K/V extrema in :mod:`quantpatch.methods.fireq`, TurboAttention's per-channel K/V ranges in
+:mod:`quantpatch.methods.turbo`), ``fn(model, samples, config, progress) -> CalibrationStats`` with
+``samples`` a list of ``(1, N)`` int64 token tensors. This module holds what every method shares: the
+statistics container, the model layout, the hooks' cleanup and the tokenized samples.
 
 The model families whose layout we know (the Llama block: RMSNorm → q/k/v → RoPE (rotate-half
 pairs ``(i, i + D/2)``) → attention → o; RMSNorm → gate/up → down) are in :data:`LAYOUTS`.
@@ -26,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
 import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -38,6 +30,7 @@ from torch import nn
 
 from quantpatch.config import ModeConfig
 from quantpatch.fallback import UnsupportedError
+from quantpatch.methods import get_method
 from quantpatch.modes import get_mode
 
 logger = logging.getLogger("quantpatch")
@@ -195,126 +188,16 @@ def hooked(handles: list) -> Iterator[None]:
         handles.clear()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class _Max:
-    """Running element-wise max of float32 tensors."""
-
-    def __init__(self) -> None:
-        self.value: torch.Tensor | None = None
-
-    def update(self, x: torch.Tensor) -> None:
-        x = x.detach().float()
-        self.value = x if self.value is None else torch.maximum(self.value, x)
-
-
-def _fireq_calibrator(model: nn.Module, samples: list[torch.Tensor], config: ModeConfig, progress: bool
-                      ) -> CalibrationStats:
-    """FireQ statistics (module docstring) for every decoder block of ``model``."""
-    from tqdm.auto import tqdm
-
-    layers = decoder_layers(model)
-    modules = dict(model.named_modules())
-    act_max: dict[str, _Max] = {}
-    act_sum: dict[str, torch.Tensor] = {}
-    act_count: dict[str, int] = {}
-    k_pair, k_abs, v_abs = ({s.attn: _Max() for s in layers} for _ in range(3))
-    rope: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}
-
-    def linear_hook(name: str):
-        def hook(module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).abs()
-            act_max.setdefault(name, _Max()).update(x.amax(0))
-            act_sum[name] = act_sum.get(name, 0) + x.sum(0, dtype=torch.float64)
-            act_count[name] = act_count.get(name, 0) + x.shape[0]
-        return hook
-
-    def attn_pre_hook(site: LayerSites):
-        def hook(module, args, kwargs):
-            pe = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
-            rope[site.attn] = pe
-        return hook
-
-    def kv_hook(site: LayerSites, which: str):
-        def hook(module, args, out):
-            b, n = out.shape[0], out.shape[1]
-            x = out.detach().float().view(b, n, site.num_kv_heads, site.head_dim).transpose(1, 2)  # (B, Hkv, N, D)
-            if which == "v":
-                v_abs[site.attn].update(x.abs().amax(dim=(0, 2)))
-                return
-            half = site.head_dim // 2
-            k_pair[site.attn].update(torch.sqrt(x[..., :half] ** 2 + x[..., half:] ** 2).amax(dim=(0, 2)))
-            pe = rope.get(site.attn)
-            if pe is None:
-                raise UnsupportedError(f"{site.attn} was called without position_embeddings; cannot form post-RoPE K")
-            cos, sin = (t.detach().float().unsqueeze(1) for t in pe)
-            k_rot = x * cos + _rotate_half(x) * sin  # Llama's apply_rotary_pos_emb
-            k_abs[site.attn].update(k_rot.abs().amax(dim=(0, 2)))
-        return hook
-
-    handles: list = []
-    tokens = 0
-    with hooked(handles), torch.no_grad():
-        for site in layers:
-            for name in site.linears:
-                handles.append(modules[name].register_forward_pre_hook(linear_hook(name)))
-            handles.append(modules[site.attn].register_forward_pre_hook(attn_pre_hook(site), with_kwargs=True))
-            handles.append(modules[site.k].register_forward_hook(kv_hook(site, "k")))
-            handles.append(modules[site.v].register_forward_hook(kv_hook(site, "v")))
-        device = next(model.parameters()).device
-        for ids in tqdm(samples, desc="calibrating (fireq)", disable=not progress):
-            model(ids.to(device), use_cache=False)
-            tokens += ids.numel()
-    tensors: dict[str, torch.Tensor] = {}
-    for name in act_max:
-        tensors[f"{name}:act_absmax"] = act_max[name].value.cpu()
-        tensors[f"{name}:act_absmean"] = (act_sum[name] / act_count[name]).float().cpu()
-    for site in layers:
-        tensors[f"{site.attn}:k_pair_norm_max"] = k_pair[site.attn].value.cpu()
-        tensors[f"{site.attn}:k_absmax"] = k_abs[site.attn].value.cpu()
-        tensors[f"{site.attn}:v_absmax"] = v_abs[site.attn].value.cpu()
-    return CalibrationStats(tensors, {"tokens": tokens})
-
-
 # --------------------------------------------------------------------------- dispatch
-
-Calibrator = Callable[[nn.Module, list, ModeConfig, bool], CalibrationStats]
-
-# key -> calibrator, or "module:function" imported on first use.
-CALIBRATORS: dict[str, Calibrator | str] = {
-    "fireq": _fireq_calibrator,
-    "turbo": "quantpatch.calibration_turbo:calibrate_turbo",
-}
-
-
-def register_calibrator(key: str, fn: Calibrator | str) -> None:
-    """Add (or replace) the calibrator used for modes whose calibration key is ``key``."""
-    CALIBRATORS[key] = fn
 
 
 def calibration_key(config: ModeConfig) -> str:
-    """Which calibrator a mode uses: its KV-cache kind, else ``"fireq"`` for W4A8 linears."""
+    """Which method (:mod:`quantpatch.methods`) a mode uses: its KV-cache kind, else ``"fireq"`` for W4A8 linears."""
     if config.kv_cache.kind != "none":
         return config.kv_cache.kind
     if config.linear.kind == "w4a8_fp8":
         return "fireq"
     raise ValueError(f"mode {config.name!r} has no KV-cache or linear quantization to calibrate")
-
-
-def _resolve(key: str) -> Calibrator:
-    if key not in CALIBRATORS:
-        raise ValueError(f"no calibrator for {key!r}; registered: {sorted(CALIBRATORS)}")
-    fn = CALIBRATORS[key]
-    if isinstance(fn, str):
-        module, _, attr = fn.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"calibrator {key!r} ({CALIBRATORS[key]}) is not available: {err}") from err
-    return fn
 
 
 def token_samples(texts: Sequence[str | torch.Tensor], tokenizer: Any = None, *, samples: int | None = 64,
@@ -355,14 +238,14 @@ def calibrate(
         model: a Transformers causal LM of a family in :data:`LAYOUTS` (any device/dtype).
         texts: strings (tokenized with ``tokenizer``) or 1-D token id tensors; the first
             ``samples`` with ≥ 2 tokens are used, each cut to ``seq_len`` tokens.
-        mode: a mode name or ``ModeConfig`` (``"fireq"``; ``"turbo"`` via ``calibration_turbo``).
+        mode: a mode name or ``ModeConfig`` with a calibration method (``"fireq"``, ``"turbo"``).
 
     Returns:
         :class:`CalibrationStats` (tensors on CPU, float32).
     """
     config = get_mode(mode)
     key = calibration_key(config)
-    calibrator = _resolve(key)
+    calibrator = get_method(key).calibrate
     batch = token_samples(texts, tokenizer, samples=samples, seq_len=seq_len)
     was_training = model.training
     model.eval()

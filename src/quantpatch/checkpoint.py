@@ -18,6 +18,10 @@ rebuilds the architecture from the base config with its parameters on the meta d
 (``accelerate.init_empty_weights``), swaps in ``W4A8Linear`` skeletons on meta, and fills
 everything with ``load_state_dict(assign=True)``, so peak memory is about one copy of the
 checkpoint rather than the float model plus the checkpoint.
+
+What a method adds is its own (:mod:`quantpatch.methods`): each attention site's record goes to the method
+whose converter wrote its kind (``"kv"``), which registers the site's buffers on the skeleton
+(``Method.add_site``) and gives its fields of :func:`info` (``Method.summarize``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +37,8 @@ from torch import nn
 
 from quantpatch.calibration import ARCH_KEYS, CalibrationStats, architecture_hash
 from quantpatch.config import ModeConfig
-from quantpatch.convert import STATE_ATTR, ConvertState, FireQOptions, add_crs_buffers
+from quantpatch.conversion import STATE_ATTR, ConvertState, FireQOptions
+from quantpatch.methods import all_methods, method_of_site
 from quantpatch.w4a8_linear import W4A8Linear
 
 logger = logging.getLogger("quantpatch")
@@ -80,7 +84,7 @@ def save(model: nn.Module, directory: str | Path, *, tokenizer: Any = None) -> P
     """Write a converted model (see the module docstring) to ``directory``.
 
     Args:
-        model: a model converted by :func:`quantpatch.convert.convert` (it carries ``_quantpatch_state``).
+        model: a model converted by :func:`quantpatch.convert` (it carries ``_quantpatch_state``).
         tokenizer: optionally saved alongside (``save_pretrained``), for the CLI's convenience.
 
     Returns:
@@ -258,7 +262,7 @@ def _base_config(config: dict[str, Any], base_model: Any):
 
 
 def _skeleton(config: dict[str, Any], base_cfg) -> nn.Module:
-    """The model with parameters on meta, W4A8Linear skeletons and CRS buffers (meta) where the checkpoint has them."""
+    """The model with parameters on meta, W4A8Linear skeletons and each site's buffers (meta) from its method."""
     import transformers
     from accelerate import init_empty_weights
 
@@ -275,19 +279,13 @@ def _skeleton(config: dict[str, Any], base_cfg) -> nn.Module:
         setattr(owner, child, W4A8Linear(info["in_features"], info["out_features"], info["bias"],
                                          group_size=info["group_size"], weight_operand=info["weight_operand"],
                                          device="meta", dtype=bias_dtype))
-    for fqn, info in config["attention"].items():
-        if info.get("kv") == "turbo":  # TurboAttention sites carry per-head widths only, no buffers
-            continue
-        add_crs_buffers(model.get_submodule(fqn), info["num_kv_heads"], info["head_dim"], _crs_pairs_per_head(info),
-                        device="meta")
+    for fqn, site in config["attention"].items():
+        try:
+            method = method_of_site(site.get("kv"))
+        except ValueError as err:
+            raise CheckpointError(f"checkpoint attention site {fqn}: {err}") from err
+        method.add_site(model.get_submodule(fqn), site)
     return model
-
-
-def _crs_pairs_per_head(site: dict[str, Any]) -> int:
-    """CRS pairs per KV head of one ``config["attention"]`` entry: FireQ sites list one row of pairs per KV head
-    (rows of length 0 with CRS off); TurboAttention sites list none."""
-    pairs = site.get("crs_pairs") or []
-    return len(pairs[0]) if pairs else 0
 
 
 def _tie(model: nn.Module, alias: str, source: str) -> None:
@@ -389,6 +387,9 @@ def info(directory: str | Path, *, verify: bool = False) -> dict[str, Any]:
     _check_files(directory, config, verify)
     mem = config.get("memory", {})
     sites = list(config["attention"].values())
+    per_method = {}
+    for method in all_methods():
+        per_method.update(method.summarize([site for site in sites if site.get("kv") in method.site_kinds]))
     pts = sorted({v["pts_exp"] for v in config["linears"].values()})
     return {
         "directory": str(directory),
@@ -402,8 +403,7 @@ def info(directory: str | Path, *, verify: bool = False) -> dict[str, Any]:
         "zero_scale_groups": sum(v["zero_scale_groups"] for v in config["linears"].values()),
         "attention_sites": len(config["attention"]),
         "kv_cache": ModeConfig.from_dict(config["mode"]).kv_cache.kind,
-        "crs_pairs_per_head": max((_crs_pairs_per_head(site) for site in sites), default=0),
-        "kv_head_bits": _head_bits(sites),
+        **per_method,
         "weight_bytes": mem.get("w4a8_weight_bytes"),
         "bf16_weight_bytes": mem.get("bf16_weight_bytes"),
         "compression_vs_bf16": (mem["bf16_weight_bytes"] / mem["w4a8_weight_bytes"]
@@ -412,12 +412,3 @@ def info(directory: str | Path, *, verify: bool = False) -> dict[str, Any]:
         "files": config.get("files"),
     }
 
-
-def _head_bits(sites: list[dict[str, Any]]) -> dict[str, dict[int, int]] | None:
-    """TurboAttention sites: how many KV heads store K (and V) at each bit width, ``{"k": {4: 6, 2: 2}, "v": ...}``;
-    None without such sites."""
-    turbo = [site for site in sites if site.get("kv") == "turbo"]
-    if not turbo:
-        return None
-    return {part: dict(sorted(Counter(b for site in turbo for b in site[f"{part}_bits"]).items(), reverse=True))
-            for part in ("k", "v")}

@@ -186,9 +186,9 @@ def read_texts(path: str | Path) -> list[str]:
 
 
 def calibration_modes() -> list[str]:
-    """The registered modes ``quantpatch calibrate`` can run: those with a calibrator and a converter."""
-    from quantpatch.calibration import CALIBRATORS, calibration_key
-    from quantpatch.convert import CONVERTERS
+    """The registered modes ``quantpatch calibrate`` can run: those with a calibration method."""
+    from quantpatch.calibration import calibration_key
+    from quantpatch.methods import METHODS
     from quantpatch.modes import available_modes, get_mode
 
     modes = []
@@ -197,7 +197,7 @@ def calibration_modes() -> list[str]:
             key = calibration_key(get_mode(name))
         except ValueError:  # nothing to calibrate (attention-only modes)
             continue
-        if key in CALIBRATORS and key in CONVERTERS:
+        if key in METHODS:
             modes.append(name)
     return modes
 
@@ -224,7 +224,7 @@ def calibrate_command(args: argparse.Namespace) -> Path:
 
     from quantpatch.calibration import calibrate
     from quantpatch.checkpoint import save
-    from quantpatch.convert import FireQOptions, convert
+    from quantpatch.conversion import FireQOptions, convert
 
     start = time.perf_counter()
     dtype = getattr(torch, args.dtype)

@@ -2,8 +2,8 @@
 
 ``convert`` stores the factors as buffers on each attention module it calibrates (:data:`CRS_FACTORS`
 ``(Hkv, D)`` float32, :data:`CRS_PAIRS` ``(Hkv, P)`` int64); the patched attention applies them after RoPE
-(:func:`apply_online_crs`: ``q · t``, ``k / t``). Kept apart from :mod:`quantpatch.convert` so that patching a
-model does not import the conversion stack.
+(:func:`apply_online_crs`: ``q · t``, ``k / t``). Kept apart from :mod:`quantpatch.methods.fireq` so that patching
+a model does not import the conversion stack.
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ def _tiny(hidden=64):
 
 def _checkpoint(directory: Path, mode: str) -> Path:
     from quantpatch.calibration import calibrate
-    from quantpatch.convert import convert
+    from quantpatch.conversion import convert
 
     model = _tiny()
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""TurboCache (patches/transformers/turbo_cache.py) and its calibration (quantpatch.calibration_turbo)."""
+"""TurboCache (patches/transformers/turbo_cache.py) and its calibration (quantpatch.methods.turbo)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,8 @@ import pytest
 import torch
 
 import quantpatch as qp
-from quantpatch.calibration_turbo import (
-    HeadPrecision,
-    KVChannelRange,
-    calibrate_head_precision,
-    head_precision_from_priorities,
-    head_precision_of,
-    load_texts,
-    priority_from_channel_range,
-    random_head_precision,
-)
 from quantpatch.cli_commands import load_eval_script
+from quantpatch.head_precision import HeadPrecision, head_precision_of
 from quantpatch.kernels.turbo_kv.turbo_ref import (
     head_priority,
     turbo_append_ref,
@@ -27,6 +18,14 @@ from quantpatch.kernels.turbo_kv.turbo_ref import (
     turbo_decode_attention_ref,
     turbo_decompress_kv_ref,
     turbo_kv_bytes,
+)
+from quantpatch.methods.turbo import (
+    KVChannelRange,
+    calibrate_head_precision,
+    head_precision_from_priorities,
+    load_texts,
+    priority_from_channel_range,
+    random_head_precision,
 )
 from quantpatch.patches.transformers.turbo_cache import TurboCache, TurboLayer, turbo_cache_attention
 from tests.patches.conftest import TINY, tiny_model

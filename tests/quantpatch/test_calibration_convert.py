@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from quantpatch.calibration import CalibrationStats, calibrate, calibration_key, decoder_layers
-from quantpatch.convert import FireQOptions, convert
+from quantpatch.conversion import FireQOptions, convert
 from quantpatch.crs import CRS_FACTORS, CRS_PAIRS, apply_online_crs, crs_buffers
 from quantpatch.fallback import UnsupportedError
 from quantpatch.metrics import cos_sim

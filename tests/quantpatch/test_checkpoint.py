@@ -13,7 +13,7 @@ from quantpatch import checkpoint
 from quantpatch.calibration import calibrate
 from quantpatch.checkpoint import CheckpointError, info, load, save
 from quantpatch.cli_commands import add_subcommands
-from quantpatch.convert import convert
+from quantpatch.conversion import convert
 from quantpatch.crs import CRS_FACTORS
 from quantpatch.w4a8_linear import W4A8Linear
 from tests.patches.conftest import TINY

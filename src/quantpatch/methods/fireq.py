@@ -1,6 +1,15 @@
-"""``convert``: fold calibrated smoothing scales into a model's weights and swap in quantized linears.
+"""FireQ (Baek et al. 2025): its calibration statistics, its conversion and its checkpoint records.
 
-FireQ (Baek et al. 2025), per decoder block, in this order:
+Calibration (:func:`calibrate_fireq`, keys ``"<module FQN>:<stat>"`` in
+:attr:`~quantpatch.calibration.CalibrationStats.tensors`, float32):
+
+* every decoder linear's input ``x (…, K)``: ``act_absmax (K,)`` = ``max |x_c|`` and
+  ``act_absmean (K,)`` = mean ``|x_c|`` over all calibration tokens;
+* every attention module: ``k_pair_norm_max (Hkv, D/2)`` = ``max_n ‖(k_i, k_{i+D/2})‖₂`` of the
+  pre-RoPE keys (RPN, FireQ Thm. 3.1), ``k_absmax (Hkv, D)`` = post-RoPE ``max_n |k_c|`` (CRS
+  pair choice and factors, §3.2.1), ``v_absmax (Hkv, D)`` (diagnostics).
+
+Conversion (:func:`convert_fireq`), per decoder block, in this order:
 
 1. **CAS** (Definition 3.1, eq. 6-7): for a weight ``W (O, K)`` and its input channel ``i``,
    ``λᵢ = ω̄ / absmean(W[:, i])`` with ``ω̄`` the mean of the channel absmeans; ``W ← W Λ`` and
@@ -29,113 +38,120 @@ FireQ (Baek et al. 2025), per decoder block, in this order:
    :class:`~quantpatch.w4a8_linear.W4A8Linear`; PTS (Definition 3.2) is chosen per weight
    after CAS/RPN. The LM head and embeddings are never touched.
 
-Steps 1-3 keep the float function (up to float rounding; tests assert it). ``convert`` works
-in place and is not undone by a handle: like ``torchao.quantize_``, it is an offline
-transformation whose result is saved with :func:`quantpatch.checkpoint.save`.
+Steps 1-3 keep the float function (up to float rounding; tests assert it).
 
-Dispatch mirrors calibration: :data:`CONVERTERS` by :func:`~quantpatch.calibration.calibration_key`.
+Checkpoint: each attention site's record (``kv = "int4_token"``) lists its CRS pairs per KV head; loading
+registers the CRS buffers for ``load_state_dict`` to fill (:func:`add_site`). The W4A8 linears' records are
+:class:`~quantpatch.w4a8_linear.W4A8Linear`'s, rebuilt by :mod:`quantpatch.checkpoint`. What the patched
+attention reads at run time (the CRS buffers, applied online) is :mod:`quantpatch.crs`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from quantpatch.calibration import CalibrationStats, LayerSites, architecture_hash, calibration_key, decoder_layers
+from quantpatch.calibration import CalibrationStats, LayerSites, decoder_layers, hooked
 from quantpatch.config import ModeConfig
+from quantpatch.conversion import ConvertState, FireQOptions
 from quantpatch.crs import CRS_FACTORS, CRS_PAIRS, add_crs_buffers, apply_online_crs
+from quantpatch.fallback import UnsupportedError
 from quantpatch.kernels.fireq_kv.fireq_ref import crs_factors, select_crs_pairs
-from quantpatch.modes import get_mode
+from quantpatch.methods import Method
 from quantpatch.w4a8_linear import W4A8Linear
 
 logger = logging.getLogger("quantpatch")
 
-STATE_ATTR = "_quantpatch_state"
-CAS_SITES = ("qkv", "o", "gate_up", "down")
+
+# --------------------------------------------------------------------------- calibration
 
 
-@dataclass(frozen=True)
-class FireQOptions:
-    """Convert-time choices the mode config does not hold (stored in the checkpoint).
-
-    Attributes:
-        rpn: apply RoPE-preserving normalization to the non-outlier pairs.
-        rpn_alpha: α of Thm. 3.1 (FireQ App. E uses 8). Per-token INT4 is scale invariant but
-            its e4m3 token scale is not: ``α = 8`` bounds every key by 1/8, so every token's
-            σ = absmax/7 ≤ 1/56 lies in e4m3's subnormals (< 2⁻⁶, steps of 2⁻⁹) and loses
-            precision. The default ``α = 1`` keeps σ ≤ 1/7 in the normal range (measured on
-            pydoc-llama-21m, 16k tokens: INT4 KV + RPN perplexity +2.34 % at α = 1 vs +3.06 % at
-            α = 8; eval/results/fireq_ablation/summary.md).
-        crs_beta: β of CRS (FireQ: 8), default 1 for the same reason.
-        cas_sites: which CAS merges to apply (subset of ``("qkv", "o", "gate_up", "down")``)
-            when the mode's ``linear.cas`` is on.
-        weight_operand: ``"group"`` or ``"lut"`` (:mod:`quantpatch.kernels.w4a8.w4a8_ref`).
-    """
-
-    rpn: bool = True
-    rpn_alpha: float = 1.0
-    crs_beta: float = 1.0
-    cas_sites: tuple[str, ...] = CAS_SITES
-    weight_operand: str = "group"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "cas_sites", tuple(self.cas_sites))
-        unknown = set(self.cas_sites) - set(CAS_SITES)
-        if unknown:
-            raise ValueError(f"FireQOptions.cas_sites has unknown {sorted(unknown)}; valid: {list(CAS_SITES)}")
-        if self.rpn_alpha <= 0 or self.crs_beta <= 0:
-            raise ValueError("FireQOptions.rpn_alpha and crs_beta must be positive")
-        if self.weight_operand not in ("group", "lut"):
-            raise ValueError(f"FireQOptions.weight_operand={self.weight_operand!r}; choose 'group' or 'lut'")
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["cas_sites"] = list(self.cas_sites)
-        return d
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> FireQOptions:
-        valid = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - valid
-        if unknown:
-            raise ValueError(f"unknown FireQOptions field(s) {sorted(unknown)}; valid: {sorted(valid)}")
-        return cls(**data)
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-@dataclass
-class ConvertState:
-    """What ``convert`` did, kept on the model (``model._quantpatch_state``) for ``save``.
+class _Max:
+    """Running element-wise max of float32 tensors."""
 
-    ``linears``: FQN → ``in_features``, ``out_features``, ``bias``, ``bias_dtype``,
-    ``group_size``, ``weight_operand``, ``pts_exp``, ``zero_scale_groups`` (groups whose e4m3
-    scale underflowed to 0). ``attention``: FQN → ``num_heads``, ``num_kv_heads``, ``head_dim``,
-    ``crs_pairs`` (list per KV head), ``kv`` (``"int4_token"`` or ``"none"``).
-    """
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
 
-    mode: ModeConfig
-    options: FireQOptions
-    quantized: bool
-    linears: dict[str, dict[str, Any]] = field(default_factory=dict)
-    attention: dict[str, dict[str, Any]] = field(default_factory=dict)
-    stats: CalibrationStats | None = None
-    base: dict[str, Any] = field(default_factory=dict)
+    def update(self, x: torch.Tensor) -> None:
+        x = x.detach().float()
+        self.value = x if self.value is None else torch.maximum(self.value, x)
 
-    def report(self) -> str:
-        lines = [f"quantpatch convert ({self.mode.name}): {len(self.linears)} W4A8 linears, "
-                 f"{len(self.attention)} attention sites, options {self.options.to_dict()}"]
-        for name, info in self.linears.items():
-            lines.append(f"  linear    {name}: {info['out_features']}x{info['in_features']} pts 2^{info['pts_exp']}, "
-                         f"{info['zero_scale_groups']} zero-scale groups")
-        for name, info in self.attention.items():
-            lines.append(f"  attention {name}: KV {info['kv']}, CRS pairs {info['crs_pairs']}")
-        return "\n".join(lines)
+
+def calibrate_fireq(model: nn.Module, samples: list[torch.Tensor], config: ModeConfig, progress: bool
+                      ) -> CalibrationStats:
+    """The ``"fireq"`` calibrator of :func:`quantpatch.calibrate`: the statistics of the module docstring for
+    every decoder block of ``model``."""
+    from tqdm.auto import tqdm
+
+    layers = decoder_layers(model)
+    modules = dict(model.named_modules())
+    act_max: dict[str, _Max] = {}
+    act_sum: dict[str, torch.Tensor] = {}
+    act_count: dict[str, int] = {}
+    k_pair, k_abs, v_abs = ({s.attn: _Max() for s in layers} for _ in range(3))
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+    def linear_hook(name: str):
+        def hook(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).abs()
+            act_max.setdefault(name, _Max()).update(x.amax(0))
+            act_sum[name] = act_sum.get(name, 0) + x.sum(0, dtype=torch.float64)
+            act_count[name] = act_count.get(name, 0) + x.shape[0]
+        return hook
+
+    def attn_pre_hook(site: LayerSites):
+        def hook(module, args, kwargs):
+            pe = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+            rope[site.attn] = pe
+        return hook
+
+    def kv_hook(site: LayerSites, which: str):
+        def hook(module, args, out):
+            b, n = out.shape[0], out.shape[1]
+            x = out.detach().float().view(b, n, site.num_kv_heads, site.head_dim).transpose(1, 2)  # (B, Hkv, N, D)
+            if which == "v":
+                v_abs[site.attn].update(x.abs().amax(dim=(0, 2)))
+                return
+            half = site.head_dim // 2
+            k_pair[site.attn].update(torch.sqrt(x[..., :half] ** 2 + x[..., half:] ** 2).amax(dim=(0, 2)))
+            pe = rope.get(site.attn)
+            if pe is None:
+                raise UnsupportedError(f"{site.attn} was called without position_embeddings; cannot form post-RoPE K")
+            cos, sin = (t.detach().float().unsqueeze(1) for t in pe)
+            k_rot = x * cos + _rotate_half(x) * sin  # Llama's apply_rotary_pos_emb
+            k_abs[site.attn].update(k_rot.abs().amax(dim=(0, 2)))
+        return hook
+
+    handles: list = []
+    tokens = 0
+    with hooked(handles), torch.no_grad():
+        for site in layers:
+            for name in site.linears:
+                handles.append(modules[name].register_forward_pre_hook(linear_hook(name)))
+            handles.append(modules[site.attn].register_forward_pre_hook(attn_pre_hook(site), with_kwargs=True))
+            handles.append(modules[site.k].register_forward_hook(kv_hook(site, "k")))
+            handles.append(modules[site.v].register_forward_hook(kv_hook(site, "v")))
+        device = next(model.parameters()).device
+        for ids in tqdm(samples, desc="calibrating (fireq)", disable=not progress):
+            model(ids.to(device), use_cache=False)
+            tokens += ids.numel()
+    tensors: dict[str, torch.Tensor] = {}
+    for name in act_max:
+        tensors[f"{name}:act_absmax"] = act_max[name].value.cpu()
+        tensors[f"{name}:act_absmean"] = (act_sum[name] / act_count[name]).float().cpu()
+    for site in layers:
+        tensors[f"{site.attn}:k_pair_norm_max"] = k_pair[site.attn].value.cpu()
+        tensors[f"{site.attn}:k_absmax"] = k_abs[site.attn].value.cpu()
+        tensors[f"{site.attn}:v_absmax"] = v_abs[site.attn].value.cpu()
+    return CalibrationStats(tensors, {"tokens": tokens})
 
 
 # --------------------------------------------------------------------------- merging helpers
@@ -285,8 +301,9 @@ def _set_module(model: nn.Module, fqn: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def _convert_fireq(model: nn.Module, stats: CalibrationStats | None, config: ModeConfig, *, quantize: bool,
+def convert_fireq(model: nn.Module, stats: CalibrationStats | None, config: ModeConfig, *, quantize: bool,
                    options: FireQOptions, include, exclude, progress: bool) -> ConvertState:
+    """The ``"fireq"`` converter of :func:`quantpatch.convert`: steps 1-4 of the module docstring, per block."""
     from tqdm.auto import tqdm
 
     layers = decoder_layers(model)
@@ -337,72 +354,24 @@ def _convert_fireq(model: nn.Module, stats: CalibrationStats | None, config: Mod
     return state
 
 
-Converter = Callable[..., ConvertState]
-CONVERTERS: dict[str, Converter | str] = {
-    "fireq": _convert_fireq,
-    "turbo": "quantpatch.calibration_turbo:convert_turbo",
-}
+# --------------------------------------------------------------------------- checkpoint records
 
 
-def register_converter(key: str, fn: Converter | str) -> None:
-    """Add (or replace) the converter for modes whose calibration key is ``key``."""
-    CONVERTERS[key] = fn
+def crs_pairs_per_head(site: dict[str, Any]) -> int:
+    """CRS pairs per KV head of one site record: one row of pairs per KV head (rows of length 0 with CRS off)."""
+    pairs = site.get("crs_pairs") or []
+    return len(pairs[0]) if pairs else 0
 
 
-def convert(
-    model: nn.Module,
-    stats: CalibrationStats | None,
-    mode: str | ModeConfig = "fireq",
-    *,
-    quantize: bool = True,
-    options: FireQOptions | dict | None = None,
-    include: list[str] | None = None,
-    exclude: list[str] | None = None,
-    progress: bool = True,
-) -> ConvertState:
-    """Merge the mode's smoothing into ``model``'s weights (in place) and quantize its linears.
+def add_site(module: nn.Module, site: dict[str, Any]) -> None:
+    """The load hook: empty CRS buffers (on meta) of the shape the site record gives, for ``load_state_dict``."""
+    add_crs_buffers(module, site["num_kv_heads"], site["head_dim"], crs_pairs_per_head(site), device="meta")
 
-    Args:
-        model: a Transformers causal LM of a family in ``calibration.LAYOUTS``, not yet converted.
-        stats: from :func:`quantpatch.calibrate` on the same (unconverted) model; may be None
-            for a linear-only mode (CAS and PTS need only the weights).
-        mode: mode name or ``ModeConfig``; its ``linear`` part says whether to quantize linears
-            and whether CAS/PTS are on, its ``kv_cache`` part whether to merge RPN and set up CRS
-            (``crs_pairs = 0`` turns CRS off).
-        quantize: False merges CAS/RPN and sets CRS buffers but keeps ``nn.Linear`` (the float
-            model then computes the original function).
-        options: :class:`FireQOptions` (or a dict of its fields).
-        include / exclude: FQN substrings selecting decoder linears (default: the mode's
-            ``linear.include``, else all q/k/v/o/gate/up/down); the LM head is never converted.
 
-    Returns:
-        The :class:`ConvertState`, also stored as ``model._quantpatch_state``.
-    """
-    config = get_mode(mode)
-    if getattr(model, STATE_ATTR, None) is not None:
-        raise ValueError("this model is already converted by quantpatch; load the original weights to convert again")
-    if stats is not None and stats.meta.get("arch_hash") not in (None, architecture_hash(model.config)):
-        raise ValueError("calibration statistics were collected on a different model architecture")
-    if isinstance(options, dict):
-        options = FireQOptions.from_dict(options)
-    options = options or FireQOptions()
-    key = calibration_key(config)
-    fn = CONVERTERS.get(key)
-    if fn is None:
-        raise ValueError(f"no converter for {key!r}; registered: {sorted(CONVERTERS)}")
-    if isinstance(fn, str):
-        module, _, attr = fn.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"converter {key!r} ({CONVERTERS[key]}) is not available: {err}") from err
-    state = fn(model, stats, config, quantize=quantize, options=options, include=include, exclude=exclude,
-               progress=progress)
-    state.base = {
-        "model_type": getattr(model.config, "model_type", None),
-        "arch_hash": architecture_hash(model.config),
-        "name_or_path": getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", ""),
-    }
-    setattr(model, STATE_ATTR, state)
-    logger.info("%s", state.report().splitlines()[0])
-    return state
+def summarize(sites: list[dict[str, Any]]) -> dict[str, Any]:
+    """``checkpoint.info``'s FireQ field: ``crs_pairs_per_head`` (0 without FireQ sites)."""
+    return {"crs_pairs_per_head": max((crs_pairs_per_head(site) for site in sites), default=0)}
+
+
+METHOD = Method(key="fireq", site_kinds=("int4_token", "none"), calibrate=calibrate_fireq, convert=convert_fireq,
+                add_site=add_site, summarize=summarize)

@@ -1,4 +1,4 @@
-"""TurboAttention KV-cache calibration: per-head bit widths (head-wise mixed precision) and buffer scales.
+"""TurboAttention: KV-cache calibration (per-head bit widths, buffer scales), its conversion and checkpoint records.
 
 TurboAttention §3.2 stores the ``n_h`` lowest-priority KV heads of every layer in 2 bits and the
 rest in 4 bits, with (eq. 11)::
@@ -19,7 +19,7 @@ through the cache, perplexity vs the fp32 cache): joint +6.75 % (the pool's lowe
 V heads: K, post-RoPE, has the outlier channels), separate +7.99 %; random joint picks +7.4 to
 +12.1 %, random separate picks +7.3 to +16.8 %; every K head at 2 bits +15.3 %.
 
-The result, :class:`HeadPrecision`, is plain data (JSON round trip, versioned);
+The result, :class:`~quantpatch.head_precision.HeadPrecision`, is plain data (JSON round trip, versioned);
 ``quantpatch.TurboCache(model, head_bits=...)`` takes it. Two ways to get one:
 
 * ``calibrate_head_precision(model, texts, tokenizer)``: texts in, :class:`HeadPrecision` out;
@@ -28,7 +28,8 @@ The result, :class:`HeadPrecision`, is plain data (JSON round trip, versioned);
   ``quantpatch.convert(model, stats, "turbo")`` (:func:`convert_turbo`: no weight changes; the
   per-head widths go into ``ConvertState.attention``), ``quantpatch.save`` writes them to
   ``quantpatch_config.json``, and ``patch_model(model, "turbo")`` on such a model makes
-  ``generate()`` use them (:func:`head_precision_of`).
+  ``generate()`` use them (:func:`~quantpatch.head_precision.head_precision_of`). A turbo site record
+(``kv = "turbo"``) holds widths only: loading adds nothing to the model (:func:`add_site`).
 
 Nothing here imports Transformers: the model is only called (``model(input_ids, use_cache=True)``)
 and its returned cache read (``past_key_values.layers[i].keys`` / ``.values``: post-RoPE,
@@ -37,22 +38,23 @@ and its returned cache read (``past_key_values.layers[i].keys`` / ``.values``: p
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from quantpatch.calibration import CalibrationStats
 from quantpatch.config import KVCacheConfig, ModeConfig
+from quantpatch.conversion import ConvertState, FireQOptions
+from quantpatch.head_precision import HeadPrecision, attention_modules, check_ranking, kv_config_of
 from quantpatch.kernels.turbo_kv.turbo_ref import head_bits, select_two_bit_heads, two_bit_head_count
-from quantpatch.modes import get_mode
+from quantpatch.methods import Method
 
-HEAD_PRECISION_VERSION = 1
-RANKINGS = ("joint", "separate")
 logger = logging.getLogger("quantpatch")
 
 
@@ -110,154 +112,6 @@ class KVChannelRange:
         return priority_from_channel_range(self.k_max, self.k_min), priority_from_channel_range(self.v_max, self.v_min)
 
 
-def _bits_table(rows: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(int(b) for b in row) for row in rows)
-
-
-def _float_table(rows: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], ...]:
-    return tuple(tuple(float(p) for p in row) for row in rows)
-
-
-@dataclass(frozen=True)
-class HeadPrecision:
-    """Per-layer, per-KV-head code widths of the TurboAttention cache, with the priorities behind them.
-
-    Attributes:
-        k_bits / v_bits: ``L`` rows of ``Hkv`` widths (2 or 4; 8 allowed) for the K and the V cache.
-        k_priority / v_priority: the eq. 11 priorities the widths were chosen from (empty if chosen otherwise).
-        k_absmax / v_absmax: ``L`` rows of ``Hkv`` calibrated ``max |x|`` (empty if not calibrated); the
-            cache uses them as a floor of its INT8 buffer's universal scale, so that a short prompt does
-            not fix a scale that later tokens overflow.
-        n_h: the 2-bit heads per layer that were asked for: a count or a fraction of the ranked pool.
-        ranking: ``joint`` (a layer's K and V heads ranked together, ``n_h`` of ``2·Hkv``) or ``separate``
-            (K and V ranked each on its own, ``n_h`` of ``Hkv`` for each).
-        method: ``"priority"`` (calibrated), ``"random"`` (ablation baseline) or ``"uniform"``.
-        tokens: calibration tokens seen.
-        version: format version of this record.
-    """
-
-    k_bits: tuple[tuple[int, ...], ...]
-    v_bits: tuple[tuple[int, ...], ...]
-    k_priority: tuple[tuple[float, ...], ...] = ()
-    v_priority: tuple[tuple[float, ...], ...] = ()
-    k_absmax: tuple[tuple[float, ...], ...] = ()
-    v_absmax: tuple[tuple[float, ...], ...] = ()
-    n_h: float = 0
-    ranking: str = "joint"
-    method: str = "priority"
-    tokens: int = 0
-    version: int = HEAD_PRECISION_VERSION
-    notes: tuple[str, ...] = field(default=(), compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "k_bits", _bits_table(self.k_bits))
-        object.__setattr__(self, "v_bits", _bits_table(self.v_bits))
-        object.__setattr__(self, "k_priority", _float_table(self.k_priority))
-        object.__setattr__(self, "v_priority", _float_table(self.v_priority))
-        object.__setattr__(self, "k_absmax", _float_table(self.k_absmax))
-        object.__setattr__(self, "v_absmax", _float_table(self.v_absmax))
-        object.__setattr__(self, "notes", tuple(self.notes))
-        _check_ranking(self.ranking)
-        if self.version > HEAD_PRECISION_VERSION:
-            raise ValueError(f"HeadPrecision version {self.version} is newer than this quantpatch understands "
-                             f"({HEAD_PRECISION_VERSION})")
-        if len(self.k_bits) != len(self.v_bits):
-            raise ValueError(f"HeadPrecision: {len(self.k_bits)} K rows but {len(self.v_bits)} V rows")
-        widths = {len(row) for row in self.k_bits + self.v_bits}
-        if len(widths) > 1:
-            raise ValueError(f"HeadPrecision: rows have different head counts {sorted(widths)}")
-        bad = sorted({b for row in self.k_bits + self.v_bits for b in row} - {2, 4, 8})
-        if bad:
-            raise ValueError(f"HeadPrecision: bit widths {bad} are not valid; choose from [2, 4, 8]")
-        tables = ("k_priority", "v_priority", "k_absmax", "v_absmax")
-        for name, table in ((t, getattr(self, t)) for t in tables):
-            if table and [len(r) for r in table] != [len(r) for r in self.k_bits]:
-                raise ValueError(f"HeadPrecision.{name} does not have the shape of k_bits")
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.k_bits)
-
-    @property
-    def kv_heads(self) -> int:
-        return len(self.k_bits[0]) if self.k_bits else 0
-
-    def layer_bits(self, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(k_bits, v_bits)`` of one layer."""
-        return self.k_bits[layer], self.v_bits[layer]
-
-    def mean_bits(self) -> float:
-        """Average code width over every K and V head (the paper's "Bit" column, codes only)."""
-        all_bits = [b for row in self.k_bits + self.v_bits for b in row]
-        return sum(all_bits) / len(all_bits) if all_bits else 0.0
-
-    # -- plain data -----------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "method": self.method,
-            "n_h": self.n_h,
-            "ranking": self.ranking,
-            "tokens": self.tokens,
-            "k_bits": [list(r) for r in self.k_bits],
-            "v_bits": [list(r) for r in self.v_bits],
-            "k_priority": [list(r) for r in self.k_priority],
-            "v_priority": [list(r) for r in self.v_priority],
-            "k_absmax": [list(r) for r in self.k_absmax],
-            "v_absmax": [list(r) for r in self.v_absmax],
-            "notes": list(self.notes),
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> HeadPrecision:
-        valid = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - valid
-        if unknown:
-            raise ValueError(f"unknown HeadPrecision field(s) {sorted(unknown)}; valid fields are {sorted(valid)}")
-        return cls(**data)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    @classmethod
-    def from_json(cls, text: str) -> HeadPrecision:
-        return cls.from_dict(json.loads(text))
-
-    # -- report ---------------------------------------------------------------------
-    def report(self) -> str:
-        """One line per layer: the 2-bit K and V heads and the priorities they were ranked by."""
-        lines = [
-            f"TurboAttention head-wise KV precision ({self.method}, {self.ranking} ranking, n_h={self.n_h}, "
-            f"{self.num_layers} layers × "
-            f"{self.kv_heads} KV heads, mean {self.mean_bits():.2f} bits, {self.tokens} calibration tokens)"
-        ]
-        high = max((b for row in self.k_bits + self.v_bits for b in row), default=0)
-        for i in range(self.num_layers):
-            parts = []
-            for name, bits, prio in (("K", self.k_bits, self.k_priority), ("V", self.v_bits, self.v_priority)):
-                low = [h for h, b in enumerate(bits[i]) if b < high]
-                pr = " ".join(f"{p:.3g}" for p in prio[i]) if prio else "-"
-                parts.append(f"{name} bits {list(bits[i])} (low: {low}; priority {pr})")
-            lines.append(f"  layer {i:>2}: " + "; ".join(parts))
-        lines.extend(f"  note: {n}" for n in self.notes)
-        return "\n".join(lines)
-
-
-def kv_config_of(config: KVCacheConfig | ModeConfig | str | None) -> KVCacheConfig:
-    """The TurboAttention ``KVCacheConfig`` of a mode name, ``ModeConfig`` or ``KVCacheConfig`` (None: ``turbo``)."""
-    if config is None:
-        config = "turbo"
-    if isinstance(config, str):
-        config = get_mode(config)
-    if isinstance(config, ModeConfig):
-        config = config.kv_cache
-    if not isinstance(config, KVCacheConfig):
-        raise TypeError(f"expected a KVCacheConfig, ModeConfig or mode name, got {type(config).__name__}")
-    if config.kind != "turbo":
-        raise ValueError(f"KVCacheConfig.kind={config.kind!r}: TurboAttention head precision needs kind='turbo'")
-    return config
-
-
 def _widths(low: set[int], kv_heads: int, bits: int, low_bits: int) -> list[int]:
     return [low_bits if h in low else bits for h in range(kv_heads)]
 
@@ -266,11 +120,6 @@ def _joint_rows(low: set[int], kv_heads: int, bits: int, low_bits: int) -> tuple
     """K and V widths from picks in the joint pool (``h`` < Hkv: K head ``h``; else V head ``h − Hkv``)."""
     return (_widths({i for i in low if i < kv_heads}, kv_heads, bits, low_bits),
             _widths({i - kv_heads for i in low if i >= kv_heads}, kv_heads, bits, low_bits))
-
-
-def _check_ranking(ranking: str) -> None:
-    if ranking not in RANKINGS:
-        raise ValueError(f"ranking={ranking!r} is not valid; choose one of {list(RANKINGS)}")
 
 
 def head_precision_from_priorities(
@@ -295,7 +144,7 @@ def head_precision_from_priorities(
     Args:
         k_priority / v_priority: ``(L, Hkv)``.
     """
-    _check_ranking(ranking)
+    check_ranking(ranking)
     if k_priority.shape != v_priority.shape or k_priority.dim() != 2:
         raise ValueError(
             f"priorities must both be (L, Hkv), got {tuple(k_priority.shape)} and {tuple(v_priority.shape)}"
@@ -335,7 +184,7 @@ def random_head_precision(
     low_bits: int = 2,
 ) -> HeadPrecision:
     """The ablation baseline: the same number of ``low_bits`` heads per layer as ``ranking`` picks, at random."""
-    _check_ranking(ranking)
+    check_ranking(ranking)
     pool = 2 * kv_heads if ranking == "joint" else kv_heads
     count = two_bit_head_count(n_h, pool)
     gen = torch.Generator().manual_seed(seed)
@@ -445,16 +294,6 @@ def calibrate_head_precision(
 STATS = ("k_channel_max", "k_channel_min", "v_channel_max", "v_channel_min")
 
 
-def attention_modules(model: Any) -> dict[int, tuple[str, Any]]:
-    """``layer_idx → (FQN, module)`` of the attention modules (an int ``layer_idx`` and K/V heads to group)."""
-    found: dict[int, tuple[str, Any]] = {}
-    for name, module in model.named_modules():
-        idx = getattr(module, "layer_idx", None)
-        if isinstance(idx, int) and hasattr(module, "num_key_value_groups"):
-            found.setdefault(idx, (name, module))
-    return found
-
-
 def _fqns(model: Any, num_layers: int) -> list[str]:
     modules = attention_modules(model)
     missing = [i for i in range(num_layers) if i not in modules]
@@ -467,8 +306,6 @@ def calibrate_turbo(model: Any, samples: list[torch.Tensor], config: ModeConfig,
     """The ``"turbo"`` calibrator of :func:`quantpatch.calibrate`: per attention module (FQN), float32
     ``(Hkv, D)`` ``k_channel_max``, ``k_channel_min``, ``v_channel_max``, ``v_channel_min`` of the post-RoPE
     K and of V over every calibration token."""
-    from quantpatch.calibration import CalibrationStats
-
     kv_config_of(config)  # a turbo KV cache, or raise
     ranges = collect_kv_channel_range(model, samples, max_length=max(s.numel() for s in samples), progress=progress)
     tensors = {}
@@ -512,10 +349,8 @@ def convert_turbo(model: Any, stats: Any, config: ModeConfig, *, quantize: bool 
     ``ConvertState.attention[FQN]`` gets ``layer_idx``, ``num_heads``, ``num_kv_heads``, ``head_dim``,
     ``kv = "turbo"``, ``k_bits``, ``v_bits``, ``k_priority``, ``v_priority``, ``k_absmax``, ``v_absmax``,
     ``ranking`` and ``n_h`` (joint ranking, ``n_h = config.kv_cache.two_bit_heads``), which ``save`` writes
-    to the checkpoint config and :func:`head_precision_of` reads back.
+    to the checkpoint config and :func:`~quantpatch.head_precision.head_precision_of` reads back.
     """
-    from quantpatch.convert import ConvertState, FireQOptions
-
     if include or exclude:
         raise ValueError("convert(mode='turbo') picks KV head widths for every attention layer; include/exclude "
                          "select linears and do not apply")
@@ -544,21 +379,6 @@ def convert_turbo(model: Any, stats: Any, config: ModeConfig, *, quantize: bool 
     return state
 
 
-def head_precision_of(model: Any) -> HeadPrecision | None:
-    """The head widths a ``convert(mode="turbo")`` (or a loaded turbo checkpoint) left on ``model``, else None."""
-    state = getattr(model, "_quantpatch_state", None)
-    entries = sorted((e for e in getattr(state, "attention", {}).values() if e.get("kv") == "turbo"),
-                     key=lambda e: e["layer_idx"])
-    if not entries:
-        return None
-    table = {key: [e[key] for e in entries] for key in ("k_bits", "v_bits", "k_priority", "v_priority",
-                                                           "k_absmax", "v_absmax")}
-    for key in ("k_priority", "v_priority", "k_absmax", "v_absmax"):
-        if not all(table[key]):
-            table[key] = []
-    return HeadPrecision(**table, n_h=entries[0]["n_h"], ranking=entries[0]["ranking"], method="checkpoint")
-
-
 def load_texts(path: str, limit: int | None = None) -> list[str]:
     """The ``text`` field of each line of a jsonl file (the first ``limit`` lines)."""
     texts = []
@@ -569,3 +389,23 @@ def load_texts(path: str, limit: int | None = None) -> list[str]:
             if limit is not None and len(texts) >= limit:
                 break
     return texts
+
+
+# --------------------------------------------------------------------------- checkpoint records
+
+
+def add_site(module: Any, site: dict[str, Any]) -> None:
+    """The load hook: a turbo site record carries per-head widths only, nothing to register on the module."""
+
+
+def summarize(sites: list[dict[str, Any]]) -> dict[str, Any]:
+    """``checkpoint.info``'s TurboAttention field: ``kv_head_bits``, how many KV heads store K (and V) at each
+    bit width, ``{"k": {4: 6, 2: 2}, "v": ...}``; None without turbo sites."""
+    if not sites:
+        return {"kv_head_bits": None}
+    return {"kv_head_bits": {part: dict(sorted(Counter(b for site in sites for b in site[f"{part}_bits"]).items(),
+                                               reverse=True)) for part in ("k", "v")}}
+
+
+METHOD = Method(key="turbo", site_kinds=("turbo",), calibrate=calibrate_turbo, convert=convert_turbo,
+                add_site=add_site, summarize=summarize)
