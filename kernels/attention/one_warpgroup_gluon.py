@@ -44,7 +44,15 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..compiled_launch import LaunchPlans, cdiv
 from ..gluon_compat import cta_barrier, tma_load
-from .pingpong_gluon import _block_pv, _lane_k_scale, _lane_scale_shape, _log2_p_max, _softmax_block
+from .pingpong_gluon import (
+    _block_pv,
+    _lane_k_scale,
+    _lane_scale_shape,
+    _log2_p_max,
+    _softmax_block,
+    _store_lse,
+    _store_output,
+)
 from .qk_quant_triton import QuantizedQKV
 from .quant_attn_triton import LOG2E
 
@@ -221,26 +229,10 @@ def _attn_sm90_kernel(
         mbarrier.invalidate(k_bar.index(i))
         mbarrier.invalidate(v_bar.index(i))
 
-    # acc is in units of P_MAX·V̂ and ℓ in units of P_MAX: the two cancel
-    d_o = gl.arange(0, HEAD_DIM, layout=col_o)
-    if PV_INT8:  # one V scale
-        out = acc * gl.load(VS_ptr)
-    else:
-        out = acc * gl.load(VS_ptr + bh_kv * HEAD_DIM + d_o)[None, :]
-    l_o = gl.convert_layout(l_i, row_o)
-    empty = l_o == 0.0
-    out = out / gl.where(empty, 1.0, l_o)[:, None]
-    if SMOOTH_V:
-        out += gl.load(VM_ptr + bh_kv * HEAD_DIM + d_o)[None, :]
-    out = gl.where(empty[:, None], 0.0, out)
-    rows_o = m0 + gl.arange(0, WG_ROWS, layout=row_o)
-    o_ptrs = O_ptr + b.to(gl.int64) * stride_ob + h * stride_oh + rows_o[:, None] * stride_om + d_o[None, :]
-    gl.store(o_ptrs, out.to(O_ptr.dtype.element_ty), mask=rows_o[:, None] < NQ)
+    _store_output(acc, l_i, VS_ptr, VM_ptr, O_ptr, bh_kv, b, h, m0, stride_ob, stride_oh, stride_om, NQ, HEAD_DIM,
+                  WG_ROWS, SMOOTH_V, PV_INT8, col_o, row_o)
     if RETURN_LSE:
-        l_e = gl.where(l_i == 0.0, 1.0, l_i)
-        lse = (m_i * qk_scale + gl.log2(l_e) - LOG2_PMAX) * 0.6931471805599453
-        lse = gl.where(l_i == 0.0, float("-inf"), lse)
-        gl.store(LSE_ptr + pid_bh.to(gl.int64) * NQ + rows, lse, mask=rows < NQ)
+        _store_lse(m_i, l_i, qk_scale, LSE_ptr, pid_bh, rows, NQ, LOG2_PMAX)
 
 
 _LAUNCH = LaunchPlans(_attn_sm90_kernel)

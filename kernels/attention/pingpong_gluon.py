@@ -440,6 +440,39 @@ def _serial_loop(WG: gl.constexpr, q_wg, p_wg, k_s, ds_s, ks_s, v_s, k_ready, v_
 
 
 @gluon.jit
+def _store_output(acc, l_i, VS_ptr, VM_ptr, O_ptr, bh_kv, b, h, r0, stride_ob, stride_oh, stride_om, NQ,
+                  HEAD_DIM: gl.constexpr, WG_ROWS: gl.constexpr, SMOOTH_V: gl.constexpr, PV_INT8: gl.constexpr,
+                  col_o: gl.constexpr, row_o: gl.constexpr):
+    """The epilogue of a warpgroup's rows ``r0 ...``: O = acc·δV / ℓ (+ mean V), 0 for rows that saw no key; returns
+    the head-dim offsets (``col_o``). ``acc`` is in units of P_MAX·V̂ and ℓ in units of P_MAX: the two cancel."""
+    d_o = gl.arange(0, HEAD_DIM, layout=col_o)
+    if PV_INT8:  # one V scale
+        out = acc * gl.load(VS_ptr)
+    else:
+        out = acc * gl.load(VS_ptr + bh_kv * HEAD_DIM + d_o)[None, :]
+    l_o = gl.convert_layout(l_i, row_o)
+    empty = l_o == 0.0
+    out = out / gl.where(empty, 1.0, l_o)[:, None]
+    if SMOOTH_V:
+        out += gl.load(VM_ptr + bh_kv * HEAD_DIM + d_o)[None, :]
+    out = gl.where(empty[:, None], 0.0, out)
+    rows_o = r0 + gl.arange(0, WG_ROWS, layout=row_o)
+    o_ptrs = O_ptr + b.to(gl.int64) * stride_ob + h * stride_oh + rows_o[:, None] * stride_om + d_o[None, :]
+    gl.store(o_ptrs, out.to(O_ptr.dtype.element_ty), mask=rows_o[:, None] < NQ)
+    return d_o
+
+
+@gluon.jit
+def _store_lse(m_i, l_i, qk_scale, LSE_ptr, pid_bh, rows, NQ, LOG2_PMAX: gl.constexpr):
+    """The natural-log LSE of ``rows`` from the running max ``m_i`` (raw score units) and ℓ (units of P_MAX);
+    −inf for rows that saw no key."""
+    l_e = gl.where(l_i == 0.0, 1.0, l_i)
+    lse = (m_i * qk_scale + gl.log2(l_e) - LOG2_PMAX) * 0.6931471805599453
+    lse = gl.where(l_i == 0.0, float("-inf"), lse)
+    gl.store(LSE_ptr + pid_bh.to(gl.int64) * NQ + rows, lse, mask=rows < NQ)
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, shared, tensors, where, config: gl.constexpr):
     """Consumer warpgroup ``WG`` (of ``WARPGROUPS``): query rows ``m0 + 64 WG …`` over the program's ``n_blocks`` key
     blocks (module docstring; causal: the diagonal block first, masked), then its rows of O (and LSE). The kernel
@@ -501,31 +534,15 @@ def _consumer(WG: gl.constexpr, shared, tensors, where, config: gl.constexpr):
                                        lane7, BLOCK_N, HEAD_DIM, STAGES, SMOOTH_Q, TOKEN_SCALES, PV_INT8, CAUSAL,
                                        col_s, row_s, row_o, o_mma, p_op)
 
-    # acc is in units of P_MAX·V̂ and ℓ in units of P_MAX: the two cancel
-    d_o = gl.arange(0, HEAD_DIM, layout=col_o)
-    if PV_INT8:  # one V scale
-        out = acc * gl.load(VS_ptr)
-    else:
-        out = acc * gl.load(VS_ptr + bh_kv * HEAD_DIM + d_o)[None, :]
-    l_o = gl.convert_layout(l_i, row_o)
-    empty = l_o == 0.0
-    out = out / gl.where(empty, 1.0, l_o)[:, None]
-    if SMOOTH_V:
-        out += gl.load(VM_ptr + bh_kv * HEAD_DIM + d_o)[None, :]
-    out = gl.where(empty[:, None], 0.0, out)
-    rows_o = r0 + gl.arange(0, WG_ROWS, layout=row_o)
-    o_ptrs = O_ptr + b.to(gl.int64) * stride_ob + h * stride_oh + rows_o[:, None] * stride_om + d_o[None, :]
-    gl.store(o_ptrs, out.to(O_ptr.dtype.element_ty), mask=rows_o[:, None] < NQ)
+    d_o = _store_output(acc, l_i, VS_ptr, VM_ptr, O_ptr, bh_kv, b, h, r0, stride_ob, stride_oh, stride_om, NQ,
+                        HEAD_DIM, WG_ROWS, SMOOTH_V, PV_INT8, col_o, row_o)
     if RETURN_LSE:
         ds_shift = 0.0  # the row constant q̄·K̄ that ΔS_raw holds and the reference's ΔS does not
         if SMOOTH_Q:
             if SMOOTH_K:
                 qm = gl.load(QM_ptr + (pid_bh * NQB + r0 // Q_BLOCK) * HEAD_DIM + d_o)
                 ds_shift = gl.sum(qm * gl.load(KM_ptr + bh_kv * HEAD_DIM + d_o), 0)
-        l_e = gl.where(l_i == 0.0, 1.0, l_i)
-        lse = ((m_i - ds_shift) * qk_scale + gl.log2(l_e) - LOG2_PMAX) * 0.6931471805599453
-        lse = gl.where(l_i == 0.0, float("-inf"), lse)
-        gl.store(LSE_ptr + pid_bh.to(gl.int64) * NQ + rows, lse, mask=rows < NQ)
+        _store_lse(m_i - ds_shift, l_i, qk_scale, LSE_ptr, pid_bh, rows, NQ, LOG2_PMAX)
 
 
 @gluon.jit
