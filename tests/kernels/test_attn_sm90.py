@@ -12,14 +12,10 @@ the launcher's checks run everywhere.
 import pytest
 import torch
 
-from quantpatch.kernels.attention.attention_ref import attention_exact
-from quantpatch.metrics import rel_l1
 from quantpatch.synthetic import attention_inputs
 from tests.gpu import hopper, needs_cuda
-from tests.kernels.test_attention_triton import LSE_ATOL, NOISE_FACTOR
-from tests.kernels.test_attention_triton import OUT_TOL as OUT_TOLS
+from tests.kernels.test_attention_gluon import assert_as_accurate_as_triton
 
-OUT_TOL = OUT_TOLS[torch.bfloat16]
 SHAPES = [(1, 1), (113, 203), (239, 239), (1000, 1000), (203, 4096)]
 CAUSAL_SHAPES = [(1, 1), (113, 203), (239, 113), (1000, 1000), (203, 4096)]  # (239, 113): rows that see no key
 
@@ -57,17 +53,7 @@ def test_gpu_sm90_matches_the_triton_kernel(shape, causal, head_dim, mode, stage
                                        l_from_quantized_p=cfg.l_from_quantized_p, two_level_accum=cfg.two_level_accum)
     out, lse = attn_qk_int8_pv_fp8_sm90(x, nk, qk_granularity=cfg.qk_granularity, is_causal=causal,
                                         return_lse=True, stages=stages)
-    assert torch.isfinite(out).all()
-    exact, exact_lse = attention_exact(*qkv, is_causal=causal, return_lse=True)
-    err, triton_err = rel_l1(out.double(), exact), rel_l1(ref.double(), exact)
-    assert err <= NOISE_FACTOR * triton_err + OUT_TOL, f"sm90 {err:.3e} vs triton {triton_err:.3e}"
-    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))  # rows that see no key
-    if cfg.l_from_quantized_p:
-        seen = ~torch.isinf(exact_lse)
-        lse_err, triton_lse_err = ((t.double() - exact_lse)[seen].abs().max().item() for t in (lse, ref_lse))
-        assert lse_err <= NOISE_FACTOR * triton_lse_err + LSE_ATOL, f"LSE {lse_err:.3e} vs {triton_lse_err:.3e}"
-    else:
-        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=LSE_ATOL)
+    assert_as_accurate_as_triton("sm90", out, lse, ref, ref_lse, qkv, cfg, causal)
 
 
 @pytest.mark.gpu
