@@ -168,23 +168,23 @@ def tune(
     device = torch.device(device)
     timer = timer or (lambda fn: _median_ms(fn, warmup, rep))
     architecture = arch(device) if device.type == "cuda" else device.type
-    crossovers: dict[str, int | None] = {}
-    ratios: dict[str, dict[int, float]] = {}
-    grid = [(m, d, c) for m in modes for d in head_dims for c in (False, True)]
-    with tqdm(total=len(grid) * len(lengths), desc="quantpatch tune", unit="shape") as bar:
-        for mode, d, causal in grid:
-            cfg = get_mode(mode).attention
-            key = entry_key(speed_key(cfg), d, causal)
-            measured = ratios.setdefault(key, {})
-            for n in lengths:
-                gen = torch.Generator(device=device).manual_seed(n)
-                q, k, v = (torch.randn(1, heads, n, d, device=device, dtype=torch.bfloat16, generator=gen)
-                           for _ in range(3))
-                sdpa = timer(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
-                quant = timer(lambda: attention(q, k, v, mode=cfg, is_causal=causal, policy="always"))
-                measured[n] = sdpa / quant
-                bar.update()
-            crossovers[key] = crossover(list(measured), list(measured.values()))
+    configs = {mode: get_mode(mode).attention for mode in modes}
+    keys = {(mode, d, c): entry_key(speed_key(cfg), d, c) for mode, cfg in configs.items() for d in head_dims
+            for c in (False, True)}
+    ratios: dict[str, dict[int, float]] = {key: {} for key in keys.values()}
+    with tqdm(total=len(keys) * len(lengths), desc="quantpatch tune", unit="shape") as bar:
+        for d in head_dims:
+            for causal in (False, True):
+                for n in lengths:  # SDPA once per shape, then every mode against it
+                    gen = torch.Generator(device=device).manual_seed(n)
+                    q, k, v = (torch.randn(1, heads, n, d, device=device, dtype=torch.bfloat16, generator=gen)
+                               for _ in range(3))
+                    sdpa = timer(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                    for mode, cfg in configs.items():
+                        quant = timer(lambda: attention(q, k, v, mode=cfg, is_causal=causal, policy="always"))
+                        ratios[keys[mode, d, causal]][n] = sdpa / quant
+                        bar.update()
+    crossovers = {key: crossover(list(measured), list(measured.values())) for key, measured in ratios.items()}
     table = {"version": TABLE_VERSION, "architecture": architecture, "heads": heads,
              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
              "torch": torch.__version__, "crossovers": crossovers,
