@@ -16,7 +16,7 @@ import torch
 
 from quantpatch.api import attention
 from quantpatch.config import AttentionConfig
-from quantpatch.dispatch import AttentionCall, sdpa_reason, speed_reason
+from quantpatch.dispatch import AttentionCall, speed_reason, speed_route
 from quantpatch.fallback import SiteRecord, fall_back, note_sdpa_route, running_site
 
 
@@ -36,7 +36,7 @@ class _Router:
                                is_causal)
             if why is None:  # long enough: does a kernel take it (a mask, a dtype)?
                 q, k, v = (t.transpose(1, 2) for t in (query, key, value)) if seq == 1 else (query, key, value)
-                why = sdpa_reason(AttentionCall(q, k, v, self.config, is_causal, scale, attn_mask, False))
+                _, _, why = speed_route(AttentionCall(q, k, v, self.config, is_causal, scale, attn_mask, False))
             if why is not None:  # the processor's own attention: its unpatched result and speed
                 note_sdpa_route(self.record, why)
                 return None

@@ -22,7 +22,7 @@ import torch
 from quantpatch.api import attention
 from quantpatch.config import AttentionConfig
 from quantpatch.crs import apply_online_crs, crs_buffers
-from quantpatch.dispatch import AttentionCall, sdpa_reason, speed_reason
+from quantpatch.dispatch import AttentionCall, speed_reason, speed_route
 from quantpatch.fallback import SiteRecord, fall_back, note_sdpa_route, running_site
 from quantpatch.patches.transformers.turbo_cache import (
     READS_TURBO_LAYERS,
@@ -131,7 +131,7 @@ def make_attention_function() -> Callable:
             why = speed_reason(site.config, query.device, query.shape[-1], query.shape[2], key.shape[2], causal)
             if why is None:  # long enough: does a kernel take it (a mask, a position bias, a dtype)?
                 mask = attention_mask if position_bias is None else position_bias
-                why = sdpa_reason(AttentionCall(query, key, value, site.config, causal, scaling, mask, False))
+                _, _, why = speed_route(AttentionCall(query, key, value, site.config, causal, scaling, mask, False))
             if why is not None:  # the model's own attention: exactly its unpatched result and speed
                 note_sdpa_route(site.record, why)
                 return site.original(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from quantpatch.config import AttentionConfig, ModeConfig
-from quantpatch.dispatch import AttentionCall, check_policy, sdpa_reason, select
+from quantpatch.dispatch import AttentionCall, check_policy, select, speed_route
 from quantpatch.fallback import current_site, fall_back, note_implementation, note_sdpa_route
 from quantpatch.modes import get_mode
 from quantpatch.range_check import check_once
@@ -141,16 +141,15 @@ def attention(
     elif not cfg.quantized:
         result = sdpa_attention(call)
     else:
-        why = sdpa_reason(call) if policy == "speed" else None
-        impl = None
-        if why is None:
-            impl, declined = select("attention", cfg.numerics, call)
-            if impl is None:
-                fall_back(f"quantpatch.attention(numerics={cfg.numerics!r})", "; ".join(declined), strict=strict)
+        if policy == "speed":
+            impl, declined, why = speed_route(call)
+        else:
+            (impl, declined), why = select("attention", cfg.numerics, call), None
         if why is not None:
             note_sdpa_route(None, why)
             result = sdpa_attention(call)
         elif impl is None:
+            fall_back(f"quantpatch.attention(numerics={cfg.numerics!r})", "; ".join(declined), strict=strict)
             result = sdpa_attention(call)
         else:
             note_implementation(impl.name)

@@ -271,16 +271,18 @@ def crossover_lookup():
     return _TRACEABLE[0]
 
 
-def sdpa_reason(call: AttentionCall) -> str | None:
-    """Why ``policy="speed"`` runs SDPA for ``call`` (None: a kernel takes it): shorter than the crossover
-    (:func:`speed_reason`), or no kernel takes it and only the PyTorch reference would (a mask, a dtype, a head dim)."""
+def speed_route(call: AttentionCall) -> tuple[Implementation | None, list[str], str | None]:
+    """``policy="speed"``'s choice for ``call``: ``(implementation, declined, None)`` where a kernel takes it, or
+    ``(None, declined, why)`` where SDPA runs instead: shorter than the crossover (:func:`speed_reason`), or no kernel
+    takes it and only the PyTorch reference would (a mask, a dtype, a head dim)."""
     q, k = call.q, call.k
     why = speed_reason(call.config, q.device, q.shape[-1], q.shape[2], k.shape[2], call.is_causal)
-    if why is None:
-        impl, declined = select("attention", call.config.numerics, call)
-        if impl is None or impl.name == REFERENCE:
-            why = f"only the PyTorch reference takes this call ({'; '.join(declined)})"
-    return why
+    if why is not None:
+        return None, [], why
+    impl, declined = select("attention", call.config.numerics, call)
+    if impl is None or impl.name == REFERENCE:
+        return None, declined, f"only the PyTorch reference takes this call ({'; '.join(declined)})"
+    return impl, declined, None
 
 
 def forget_crossovers() -> None:
