@@ -209,7 +209,7 @@ def run_op(op: str, key: str, call: Any, *, what: str, record: SiteRecord | None
                 record.fallbacks.add(reason)
     out = impl.run(call)
     if record is not None:
-        record.routes[impl.name] = record.routes.get(impl.name, 0) + 1
+        record.count(impl.name)
     return out
 
 

@@ -24,9 +24,20 @@ class SiteRecord:
     kind: str
     runs: str
     fallbacks: set[str] = field(default_factory=set)
-    implementations: set[str] = field(default_factory=set)
     routes: dict[str, int] = field(default_factory=dict)  # calls per route ("triton", "sdpa: <why>", ...)
     range_checked: bool = False  # quantpatch.range_check sampled this site's inputs
+
+    def count(self, route: str) -> None:
+        """One more call of this site took ``route`` (an implementation's name, or ``SDPA_ROUTE`` + why)."""
+        self.routes[route] = self.routes.get(route, 0) + 1
+
+    @property
+    def implementations(self) -> set[str]:
+        """The implementations that served a call of this site (its routes other than SDPA by policy)."""
+        return {route for route in self.routes if not route.startswith(SDPA_ROUTE)}
+
+
+SDPA_ROUTE = "sdpa: "  # the route of a call that ran SDPA by policy, followed by why
 
 
 # The patched site currently running, so that a fallback deep inside quantpatch.attention is
@@ -86,16 +97,14 @@ def note_implementation(name: str) -> None:
     """Record on the running site (if any) which implementation served a call, and count the call."""
     site = current_site()
     if site is not None:
-        site.implementations.add(name)
-        site.routes[name] = site.routes.get(name, 0) + 1
+        site.count(name)
 
 
 def note_sdpa_route(record: SiteRecord | None, why: str) -> None:
     """Count a call of ``record`` (or of the running site) that ran SDPA by policy, with why."""
     site = record if record is not None else current_site()
     if site is not None:
-        route = f"sdpa: {why}"
-        site.routes[route] = site.routes.get(route, 0) + 1
+        site.count(SDPA_ROUTE + why)
 
 
 def reset_fallback_warnings() -> None:
