@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from quantpatch import routing
 from quantpatch.config import NUMERICS, AttentionConfig
 from quantpatch.fallback import SiteRecord, fall_back, logger
 
@@ -228,8 +229,6 @@ def _crossover(device_index: int, key: str, head_dim: int, is_causal: bool) -> t
     looked up once and cached."""
     entry = _CROSSOVERS.get((device_index, key, head_dim, is_causal))
     if entry is None:
-        from quantpatch import routing
-
         architecture = routing.arch(torch.device("cuda", device_index))
         table, source = routing.table_for(architecture)
         length = routing.table_length(table, key, head_dim, is_causal)
@@ -253,9 +252,7 @@ def speed_reason(cfg: AttentionConfig, device: torch.device, head_dim: int, nq: 
     """
     if device.type != "cuda":
         return "SDPA is faster than the PyTorch reference off the GPU"
-    from quantpatch.routing import speed_key
-
-    length, why = crossover_lookup()(device.index or 0, speed_key(cfg), head_dim, is_causal)
+    length, why = crossover_lookup()(device.index or 0, routing.speed_key(cfg), head_dim, is_causal)
     return why if nq < length or nk < length else None
 
 
@@ -287,8 +284,6 @@ def speed_route(call: AttentionCall) -> tuple[Implementation | None, list[str], 
 
 def forget_crossovers() -> None:
     """Drop the cached routing decisions (after ``quantpatch tune``, and in tests)."""
-    from quantpatch import routing
-
     _CROSSOVERS.clear()
     routing.forget_tables()
 
