@@ -13,6 +13,8 @@ Llama-3-8B projection shapes (K → N: 4096 → 4096, 4096 → 14336, 14336 → 
   :func:`~quantpatch.kernels.w4a8.w4a8_prefill_gluon.w4a8_gemm_prefill_gluon` where the layer runs a Gluon kernel,
   else :func:`~quantpatch.kernels.w4a8.w4a8_triton.w4a8_gemm`); ``w4a8 quant``: the activation quantization alone
   (in fragment order for the prefill kernel);
+* ``fp8 e2e``: ``FP8Linear(x)`` from bf16 (``linear="fp8"`` of every mode): the per-token FP8 quantization kernel,
+  then ``torch._scaled_mm`` rowwise with the per-channel weight scales; the CPU reference on the CPU;
 * ``bf16``: ``torch.nn.functional.linear``;
 * ``fp8-tensor`` / ``fp8-rowwise``: ``torch._scaled_mm`` on pre-quantized FP8 e4m3 operands with
   per-tensor scales / per-token × per-channel fp32 scales (GEMM only: the quantization of x is
@@ -65,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import bench, graph_replays, write_csv  # noqa: E402  (the shared benchmark harness, beside this script)
 
 from quantpatch.environment import environment_info  # noqa: E402
+from quantpatch.fp8_linear import FP8Linear  # noqa: E402
 from quantpatch.metrics import rel_l1  # noqa: E402
 from quantpatch.w4a8_linear import W4A8Linear  # noqa: E402
 
@@ -92,7 +95,7 @@ def cpu_time(fn: Callable[[int], object], n_sets: int, warmup: int, rep: int) ->
 
 
 class Layer:
-    """One (K, N) projection in every format: bf16 weight, W4A8 module, FP8 weight with both scale kinds."""
+    """One (K, N) projection in every format: bf16 weight, W4A8 and FP8 modules, FP8 weight with both scale kinds."""
 
     def __init__(self, k: int, n: int, device: torch.device, seed: int):
         gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -101,6 +104,7 @@ class Layer:
         with torch.no_grad():
             lin.weight.copy_(self.weight)
         self.w4a8 = W4A8Linear.from_linear(lin)
+        self.fp8 = FP8Linear.from_linear(lin)
         w = self.weight.float()
         self.w_scale_tensor = w.abs().amax() / 448
         self.w_fp8_tensor = (w / self.w_scale_tensor).to(torch.float8_e4m3fn)
@@ -173,6 +177,7 @@ def speed_rows(args) -> list[dict]:
         fp8 = [layer.fp8_operands(x) for x in xs]
         for kind in ("tensor", "rowwise"):
             timed(f"fp8-{kind}", lambda i, kind=kind: layer.scaled_mm(kind, *fp8[i][kind]))
+        timed("fp8 e2e", lambda i: layer.fp8(xs[i]))
         timed("w4a8 e2e", lambda i: layer.w4a8(xs[i]))
         if kernels:
             args_w = layer.w4a8_args()
@@ -219,6 +224,7 @@ def stream_rows(args) -> list[dict]:
             x = _inputs(m, k, 1, args.device, seed=m)[0]
             fp8 = [layer.fp8_operands(x) for layer in layers]
             impls = {"bf16": lambda: [torch.nn.functional.linear(x, layer.weight) for layer in layers],
+                     "fp8 e2e": lambda: [layer.fp8(x) for layer in layers],
                      "w4a8 e2e": lambda: [layer.w4a8(x) for layer in layers]}
             for kind in ("tensor", "rowwise"):
                 impls[f"fp8-{kind}"] = lambda kind=kind: [layer.scaled_mm(kind, *ops[kind])
@@ -239,7 +245,7 @@ def accuracy_rows(args) -> list[dict]:
         x = _inputs(args.acc_m, k, 1, args.device, seed=7)[0]
         ref = torch.nn.functional.linear(x, layer.weight)
         fp8 = layer.fp8_operands(x)
-        outs = {"w4a8 e2e": layer.w4a8(x)}
+        outs = {"w4a8 e2e": layer.w4a8(x), "fp8 e2e": layer.fp8(x)}
         for kind in ("tensor", "rowwise"):
             try:
                 outs[f"fp8-{kind}"] = layer.scaled_mm(kind, *fp8[kind])

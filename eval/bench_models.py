@@ -20,14 +20,16 @@ random latents and text embeddings of the pipeline's shapes (no VAE, text encode
 Wan rows also cross-attend to 512 text tokens; HunyuanVideo's joint attention has a key mask (padded text).
 
 Columns: ``sdpa`` (the unpatched model, PyTorch's SDPA backend choice: the baseline), ``sdpa-cudnn`` (unpatched,
-``sdpa_kernel(CUDNN_ATTENTION)``), each quantpatch mode that runs without calibration (``--modes``), and for
+``sdpa_kernel(CUDNN_ATTENTION)``), each quantpatch mode that runs without calibration (``--modes``), with
+``--linear fp8`` each of them again as ``MODE+fp8`` (``patch_model(model, MODE, linear="fp8")``: the transformer
+blocks' linears in FP8) and ``off+fp8`` (FP8 linears, attention unpatched), and for
 Diffusers rows ``diffusers-sage`` (``transformer.set_attention_backend("sage")``) when the ``sageattention``
 package is importable (skipped with a note otherwise). Each column gives ``ms`` (median), ``speedup`` (the
 ``sdpa`` time over the column's) and the output's CosSim and relative L1 against the ``sdpa`` column's output
 (the transformer's output for a step; the final hidden states for a prefill; for a decode, the logits of every
 step, the same tokens forced into every column so that the steps stay comparable). A mode is applied with
 ``quantpatch.patch_model(model, mode)`` and removed with ``handle.remove()`` before the next column; the
-handle's report (what each attention site ran, its fallbacks and notes) is stored in the JSON. Under
+handle's report (what each attention site ran, its fallbacks and remarks) is stored in the JSON. Under
 ``turbo``, ``generate()`` builds quantpatch's ``TurboCache`` (compressed KV cache) by itself; the other
 columns decode with Transformers' default ``DynamicCache``.
 
@@ -371,14 +373,18 @@ def make_call(row: Row, spec: ModelSpec, config: dict, model: torch.nn.Module, s
 # --------------------------------------------------------------------------- columns
 
 
-def columns_for(spec: ModelSpec, modes: Sequence[str]) -> list[str]:
+def columns_for(spec: ModelSpec, modes: Sequence[str], linear: str | None = None) -> list[str]:
+    """The baselines, each mode, with ``linear`` each mode again with those linears (``MODE+fp8``) and the linears
+    alone (``off+fp8``), and Diffusers' sage backend."""
     cols = [BASELINE, CUDNN, *modes]
+    if linear:
+        cols += [f"{mode}+{linear}" for mode in ("off", *modes)]
     return cols + [SAGE] if spec.library == "diffusers" else cols
 
 
 def report_summary(handle) -> dict:
     """What a patch handle's sites ran: ``{"policy", "sites", "runs", "routes", "implementations", "fallbacks",
-    "notes", "text"}``; ``routes`` counts calls per route over all sites, the others count sites."""
+    "remarks", "text"}``; ``routes`` counts calls per route over all sites, the others count sites."""
     impls, falls, runs, routes = Counter(), Counter(), Counter(), Counter()
     for site in handle.sites:
         runs[site.runs] += 1
@@ -387,7 +393,7 @@ def report_summary(handle) -> dict:
         routes.update(getattr(site, "routes", {}))
     return {"policy": getattr(handle, "policy", None), "sites": len(handle.sites), "runs": dict(runs),
             "routes": dict(routes), "implementations": dict(impls), "fallbacks": dict(falls),
-            "notes": list(handle.notes), "text": handle.report()}
+            "remarks": list(handle.remarks), "text": handle.report()}
 
 
 def short_note(report: dict) -> str:
@@ -420,8 +426,11 @@ def column_setup(column: str, model: torch.nn.Module, record: dict, policy: str 
     else:
         import quantpatch
 
-        policy = {} if policy is None else {"policy": policy}
-        with quantpatch.patch_model(model, column, **policy) as handle:
+        mode, _, linear = column.partition("+")
+        options = {} if policy is None else {"policy": policy}
+        if linear:
+            options["linear"] = linear
+        with quantpatch.patch_model(model, mode, **options) as handle:
             try:
                 yield
             finally:
@@ -508,7 +517,7 @@ def bench_rows(args: argparse.Namespace, write: Callable[[list[dict]], None], re
         call = make_call(row, spec, config, model, shape, device, dtype, args)
         ref = None
         logger.info("row %s (%s, %s)", row.name, row.what, cut or "all layers")
-        for column in columns_for(spec, args.modes):
+        for column in columns_for(spec, args.modes, args.linear):
             if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
                 results.append(base | {"column": column, "skipped": f"time budget ({args.budget_s:.0f} s) spent"})
                 continue
@@ -601,6 +610,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="keep N transformer blocks (every row, or ROW=N for one row)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu (or any non-CUDA device): tiny configs and inputs")
+    p.add_argument("--linear", choices=["fp8"], default=None,
+                   help="also run each mode (and the unpatched attention, 'off') with the blocks' linears in FP8")
     p.add_argument("--policy", choices=["speed", "always"], default=None,
                    help="patch_model's policy (default: the library's default)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,

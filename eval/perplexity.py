@@ -170,7 +170,7 @@ def cache_factory(model, spec: str, head_precision):
         rnd = random_head_precision(hp.num_layers, hp.kv_heads, hp.n_h, seed=int(spec[len("mixed-random"):]),
                                     ranking=hp.ranking)
         hp = HeadPrecision(rnd.k_bits, rnd.v_bits, k_absmax=hp.k_absmax, v_absmax=hp.v_absmax, n_h=hp.n_h,
-                           ranking=hp.ranking, method="random", notes=rnd.notes)
+                           ranking=hp.ranking, method="random", remarks=rnd.remarks)
     elif spec != "mixed":
         raise ValueError(f"unknown cache {spec!r}")
     return lambda: quantpatch.TurboCache(model, "turbo", hp)

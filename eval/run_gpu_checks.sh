@@ -12,7 +12,7 @@ python -m pip install -q --no-deps carry/wheels/*.whl >>"$OUT/install.log" 2>&1
 export QP_GIT_SHA=${QP_GIT_SHA:-unknown} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ $what == tests || $what == all ]]; then
-  python -m pytest -q -s -m gpu -rs -p no:cacheprovider --tb=short tests/kernels tests/patches tests/quantpatch \
+  python -m pytest -q -s -m gpu -rs -p no:cacheprovider --tb=short tests/kernels tests/patches tests/quantpatch tests/bad_inputs \
     >"$OUT/pytest_gpu.log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed|PSNR" "$OUT/pytest_gpu.log" | tail -20
 fi
@@ -22,7 +22,7 @@ fi
 if [[ $what == ppl || $what == all ]]; then
   python eval/perplexity.py --model carry/models/pydoc-llama-21m --data carry/data/pydoc-val.jsonl \
     --max-tokens 16384 --window 1024 --dtype bfloat16 --device cuda \
-    --modes off sage2-8b int8-flash fireq sage2-4b turbo --out "$OUT/ppl_gpu.json" 2>&1 | grep -v "it/s\]" | tail -12 | tee "$OUT/ppl_gpu.txt"
+    --modes off sage2-8b int8-flash fireq sage2-4b turbo --out "$OUT/pydoc-llama-21m_gpu.json" 2>&1 | grep -v "it/s\]" | tail -12 | tee "$OUT/pydoc-llama-21m_gpu.txt"
 fi
 if [[ $what == bench || $what == all ]]; then
   python eval/bench_attention.py --out "$OUT/bench" 2>&1 | tail -40 | tee "$OUT/bench_tail.log"

@@ -22,7 +22,7 @@ def note_untested(handle: Any, message: str, *, strict: bool, how: str) -> None:
 
     if strict:
         raise UnsupportedError(message)
-    handle.notes.append(f"{message}; {how}")
+    handle.remarks.append(f"{message}; {how}")
     logger.warning(message)
 
 

@@ -105,5 +105,5 @@ def patch_linears(model: Any, handle: PatchHandle, *, strict: bool, include: lis
         scaled_mm_unsupported(weight.device, weight.dtype, linear.bias is not None)
     if not swapped:
         message = f"linear='fp8': no nn.Linear of {type(root).__name__}'s transformer blocks was swapped"
-        handle.notes.append(message)
+        handle.remarks.append(message)
         logger.warning(message)

@@ -25,7 +25,7 @@ Launches (three):
 scores and its max alike: the attention kernels add ΔS_raw as stored and subtract q̄_b · K̄ from the LSE
 only (exact products, one fp32 cancellation of size |q̄ · K̄|).
 
-Numerics notes: divisions are IEEE (as PyTorch): ``tl.math.div_rn``, or per element one FMA-corrected
+Numerics: divisions are IEEE (as PyTorch): ``tl.math.div_rn``, or per element one FMA-corrected
 product with a per-row / per-channel reciprocal (``_div_by``, the same quotient); rounding is
 round-half-even through the 1.5·2²³ trick (exact for |x| < 2²²; values here are ≤ qmax·(1+ε)),
 FP8 casts saturate to ±448 then round to nearest even (``cvt.rn.satfinite`` on the GPU; an

@@ -22,7 +22,7 @@ import triton.language as tl
 from ..compiled_launch import LaunchPlans, interpreting, next_pow2
 from ..rounding_triton import _div_by, _to_fp8e4m3
 
-E4M3_MAX = 448.0
+E4M3_MAX = tl.constexpr(448.0)  # a constexpr: @triton.jit code reads only constexpr globals
 ROW_BLOCK = 4096  # channels per load; not tuned on a GPU yet (W4A8's activation kernel reads 16384 at once)
 
 

@@ -58,7 +58,7 @@ def patch_transformers_model(
     if not model._can_set_attn_implementation():
         raise ValueError(f"{type(model).__name__} does not dispatch attention through AttentionInterface")
     if mode.kv_cache.kind not in ("none", "turbo") or mode.linear.kind not in ("none", "fp8"):
-        handle.notes.append(
+        handle.remarks.append(
             f"mode {mode.name!r}: only its attention numerics are applied by patch_model so far "
             f"(KV cache {mode.kv_cache.kind!r}, linear {mode.linear.kind!r} come from calibrated checkpoints)"
         )

@@ -692,7 +692,7 @@ def install_generate_hook(
     explicit ``past_key_values``, ``cache_implementation`` or ``use_cache=False`` is left alone (a
     TurboCache built for another model raises). ``head_bits`` default: the widths a
     ``convert(mode="turbo")`` or a loaded turbo checkpoint left on the model; without any, every head
-    is stored in ``config.bits`` and the handle notes it. A model the cache cannot serve
+    is stored in ``config.bits`` and the handle's remarks say so. A model the cache cannot serve
     (encoder-decoder, sliding-window layers, no ``generate``) keeps its own cache, with a note (an
     error under ``strict``).
     """
@@ -711,10 +711,10 @@ def install_generate_hook(
         message = f"KV cache: TurboCache not installed: {err}"
         if strict:
             raise UnsupportedError(message + " (strict=True)") from err
-        handle.notes.append(message + "; generate() keeps the model's own cache")
+        handle.remarks.append(message + "; generate() keeps the model's own cache")
         logger.warning(message)
         return
-    handle.notes.append(f"KV cache: generate() uses a TurboCache, {what}")
+    handle.remarks.append(f"KV cache: generate() uses a TurboCache, {what}")
     original = model.generate
 
     def generate(*args: Any, **kwargs: Any):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,9 @@ from typing import Any
 from quantpatch.config import KVCacheConfig, ModeConfig
 from quantpatch.modes import get_mode
 
-HEAD_PRECISION_VERSION = 1
+logger = logging.getLogger(__name__)
+
+HEAD_PRECISION_VERSION = 2  # 2: the free-text list is ``remarks``
 RANKINGS = ("joint", "separate")
 
 
@@ -64,7 +67,7 @@ class HeadPrecision:
     method: str = "priority"
     tokens: int = 0
     version: int = HEAD_PRECISION_VERSION
-    notes: tuple[str, ...] = field(default=(), compare=False)
+    remarks: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "k_bits", _bits_table(self.k_bits))
@@ -73,7 +76,7 @@ class HeadPrecision:
         object.__setattr__(self, "v_priority", _float_table(self.v_priority))
         object.__setattr__(self, "k_absmax", _float_table(self.k_absmax))
         object.__setattr__(self, "v_absmax", _float_table(self.v_absmax))
-        object.__setattr__(self, "notes", tuple(self.notes))
+        object.__setattr__(self, "remarks", tuple(self.remarks))
         check_ranking(self.ranking)
         if self.version > HEAD_PRECISION_VERSION:
             raise ValueError(f"HeadPrecision version {self.version} is newer than this quantpatch understands "
@@ -122,14 +125,21 @@ class HeadPrecision:
             "v_priority": [list(r) for r in self.v_priority],
             "k_absmax": [list(r) for r in self.k_absmax],
             "v_absmax": [list(r) for r in self.v_absmax],
-            "notes": list(self.notes),
+            "remarks": list(self.remarks),
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HeadPrecision:
+        """A record of this version, or an older one: the fields an older version had and this one has not (its
+        free-text list, renamed in version 2) are dropped with a warning naming them."""
         valid = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - valid
-        if unknown:
+        version = data.get("version", HEAD_PRECISION_VERSION)
+        if unknown and isinstance(version, int) and version < HEAD_PRECISION_VERSION:
+            logger.warning("HeadPrecision version %d record: dropping field(s) %s that version %d does not have",
+                           version, sorted(unknown), HEAD_PRECISION_VERSION)
+            data = {**{key: value for key, value in data.items() if key in valid}, "version": HEAD_PRECISION_VERSION}
+        elif unknown:
             raise ValueError(f"unknown HeadPrecision field(s) {sorted(unknown)}; valid fields are {sorted(valid)}")
         return cls(**data)
 
@@ -156,7 +166,7 @@ class HeadPrecision:
                 pr = " ".join(f"{p:.3g}" for p in prio[i]) if prio else "-"
                 parts.append(f"{name} bits {list(bits[i])} (low: {low}; priority {pr})")
             lines.append(f"  layer {i:>2}: " + "; ".join(parts))
-        lines.extend(f"  note: {n}" for n in self.notes)
+        lines.extend(f"  note: {n}" for n in self.remarks)
         return "\n".join(lines)
 
 

@@ -31,7 +31,7 @@ class PatchHandle:
         self.policy = check_policy(policy)
         self.overrides = dict(overrides or {})
         self.sites: list[SiteRecord] = []
-        self.notes: list[str] = []
+        self.remarks: list[str] = []
         self._undo: list[tuple[Any, str, Any]] = []
         self.active = True
 
@@ -98,7 +98,7 @@ class PatchHandle:
             lines.append(f"  {site.kind:<9} {site.name}: {site.runs}{ran}")
             lines.extend(f"      {calls:>6} calls: {route}" for route, calls in sorted(site.routes.items()))
             lines.extend(f"      fallback: {reason}" for reason in sorted(site.fallbacks))
-        lines.extend(f"  note: {note}" for note in self.notes)
+        lines.extend(f"  note: {note}" for note in self.remarks)
         return "\n".join(lines)
 
     def fallbacks(self) -> dict[str, set[str]]:

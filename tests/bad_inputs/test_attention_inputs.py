@@ -19,6 +19,7 @@ from quantpatch.kernels.attention.attention_ref import attention_exact
 from quantpatch.kernels.attention.quant_attention_ref import quant_attention_ref
 from quantpatch.range_check import forget_checks
 from quantpatch.synthetic import attention_inputs
+from tests.gpu import needs_cuda
 from tests.patches.conftest import tiny_model
 from tests.tolerances import RANDN_COS_FLOOR
 
@@ -377,3 +378,24 @@ def test_patching_twice_raises(no_leaks):
     with qp.patch_model(model, "sage2-8b", policy="always"):
         with pytest.raises(ValueError, match="already patched"):
             qp.patch_model(model, "int8-flash", policy="always")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("seq", [256, 4096])
+def test_patched_model_compiles_fullgraph_on_gpu(seq):
+    """The patched model's kernels (the Triton kernel at 256 tokens, the sm_90 kernel at 4096 on Hopper) trace
+    into one graph and give the eager patched logits."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    config = T.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=seq)
+    model = T.AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(3, 256, (1, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    torch._dynamo.reset()
+    with qp.patch_model(model, "sage2-8b", policy="always") as handle, torch.no_grad():
+        eager = model(ids).logits
+        compiled = torch.compile(model, fullgraph=True)(ids).logits
+        assert handle.sites[0].implementations == {"triton"}, handle.report()
+    assert cos(compiled, eager) > 0.9999

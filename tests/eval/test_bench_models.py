@@ -88,7 +88,7 @@ def test_decode_times_steps_and_turbo_builds_its_cache(quick_run):
     result, _ = quick_run
     decode = {r["column"]: r for r in result["rows"] if r["row"] == "llama3-8b-decode-b1-4k"}
     assert decode["sdpa"]["steps"] == DECODE_TOKENS - 1  # intervals between the DECODE_TOKENS logits steps
-    assert any("TurboCache" in note for note in decode["turbo"]["report"]["notes"])
+    assert any("TurboCache" in note for note in decode["turbo"]["report"]["remarks"])
     # the INT4 cache changes the logits, the forced tokens keep them comparable step by step
     assert 0.99 < decode["turbo"]["cos_sim"] < 1.0
 

@@ -220,7 +220,7 @@ def test_untested_family_is_patched_with_a_note_or_refused_under_strict(no_leaks
         qp.patch_model(model, "sage2-8b", strict=True, policy="always")
     assert not hasattr(model, "_quantpatch_handle")
     with qp.patch_model(model, "sage2-8b", policy="always") as handle:
-        assert any("'opt'" in note and "all the same" in note for note in handle.notes)
+        assert any("'opt'" in note and "all the same" in note for note in handle.remarks)
         assert len(handle.sites) == 2
 
 

@@ -189,6 +189,20 @@ def test_head_precision_round_trips_and_reports():
     assert "layer  0: K bits [4, 2] (low: [1]" in report and "mean 3.00 bits" in report
     with pytest.raises(ValueError, match="unknown HeadPrecision field"):
         HeadPrecision.from_dict(hp.to_dict() | {"bitz": 1})
+
+
+def test_head_precision_reads_a_version_1_record_dropping_its_renamed_free_text_field(caplog):
+    """Version 1 stored the free-text list under a key version 2 renamed to ``remarks``: a version-1 record
+    (here with that list under any name version 2 lacks) loads, upgraded to version 2, and the log names the
+    dropped field."""
+    hp = HeadPrecision([[4, 2]], [[2, 4]], remarks=("seed 3",))
+    old = {k: v for k, v in hp.to_dict().items() if k != "remarks"} | {"version": 1, "old_free_text": ["seed 3"]}
+    with caplog.at_level("WARNING", logger="quantpatch.head_precision"):
+        loaded = HeadPrecision.from_dict(old)
+    assert loaded.version == 2 and loaded.k_bits == hp.k_bits and loaded.remarks == ()
+    assert "old_free_text" in caplog.text
+    with pytest.raises(ValueError, match="unknown HeadPrecision field"):  # a current record stays strict
+        HeadPrecision.from_dict(hp.to_dict() | {"old_free_text": []})
     with pytest.raises(ValueError, match="bit widths \\[3\\]"):
         HeadPrecision([[3, 4]], [[4, 4]])
     rnd = random_head_precision(6, 4, 0.5, seed=1, ranking="separate")

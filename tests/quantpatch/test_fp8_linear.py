@@ -263,7 +263,7 @@ def test_block_without_plain_linears_is_noted():
     model = tiny_model("gpt2")  # GPT-2's projections are Conv1D modules
     with qp.patch_model(model, "off", linear="fp8") as handle:
         assert not _linear_sites(handle)
-        assert any("no nn.Linear" in note for note in handle.notes)
+        assert any("no nn.Linear" in note for note in handle.remarks)
 
 
 # --------------------------------------------------------------------------- Diffusers

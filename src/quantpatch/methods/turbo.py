@@ -198,7 +198,7 @@ def random_head_precision(
             k_row, v_row = (_widths(p, kv_heads, bits, low_bits) for p in picks)
         k_bits.append(k_row)
         v_bits.append(v_row)
-    return HeadPrecision(k_bits, v_bits, n_h=n_h, ranking=ranking, method="random", notes=(f"seed {seed}",))
+    return HeadPrecision(k_bits, v_bits, n_h=n_h, ranking=ranking, method="random", remarks=(f"seed {seed}",))
 
 
 def uniform_head_precision(num_layers: int, kv_heads: int, bits: int = 4) -> HeadPrecision:
