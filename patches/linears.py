@@ -74,7 +74,8 @@ def block_linears(root: nn.Module, attention_modules: list[str]) -> dict[str, nn
 def patch_linears(model: Any, handle: PatchHandle, *, strict: bool, include: list[str] | None,
                   exclude: list[str] | None) -> None:
     """Swap the block linears of ``model`` for :class:`~quantpatch.fp8_linear.FP8Linear`, recording each swap
-    (and each layer kept) in ``handle`` as a site of kind ``"linear"``. Call after the attention patcher."""
+    (and each layer kept) in ``handle`` as a site of kind ``"linear"``. Call after the attention patcher. Under the
+    handle's ``policy="speed"`` each FP8 layer calls its original where FP8 cannot be faster."""
     from quantpatch.fp8_linear import FP8Linear, scaled_mm_unsupported, shape_unsupported
 
     root = transformer_root(model)
@@ -96,6 +97,8 @@ def patch_linears(model: Any, handle: PatchHandle, *, strict: bool, include: lis
         fp8 = swapped.get(id(linear))
         if fp8 is None:
             fp8 = swapped[id(linear)] = FP8Linear.from_linear(linear)
+            if handle.policy == "speed":
+                fp8.original = (linear,)
             fp8.site = handle.add_site(fqn, "linear", "quantpatch FP8Linear (e4m3 weights per channel, "
                                                       "activations per token)")
         parent, _, child = fqn.rpartition(".")

@@ -33,11 +33,13 @@ class SiteRecord:
 
     @property
     def implementations(self) -> set[str]:
-        """The implementations that served a call of this site (its routes other than SDPA by policy)."""
-        return {route for route in self.routes if not route.startswith(SDPA_ROUTE)}
+        """The implementations that served a call of this site (its routes other than the original by policy)."""
+        return {route for route in self.routes if not route.startswith(POLICY_ROUTES)}
 
 
-SDPA_ROUTE = "sdpa: "  # the route of a call that ran SDPA by policy, followed by why
+SDPA_ROUTE = "sdpa: "  # the route of an attention call that ran SDPA by policy, followed by why
+ORIGINAL_LINEAR_ROUTE = "original: "  # the route of a linear call that ran the original weights by policy, and why
+POLICY_ROUTES = (SDPA_ROUTE, ORIGINAL_LINEAR_ROUTE)
 
 
 # The patched site currently running, so that a fallback deep inside quantpatch.attention is

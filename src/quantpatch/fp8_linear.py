@@ -19,7 +19,12 @@
 * ``"reference"`` elsewhere: on the CPU that is the path (silent); a CUDA device the GPU path cannot
   serve warns once with the reason and records it in the handle's report.
 
-The implementation taken is counted per call on the layer's report site (``handle.report()``).
+Under ``patch_model``'s default ``policy="speed"`` a layer keeps a reference to the ``nn.Linear`` it replaced and
+calls it where FP8 cannot be faster (:func:`original_reason`): on the CPU, where the FP8 path is the reference, and
+below ``FP8_MIN_TOKENS`` tokens on a GPU, where the quantization launch and the small FP8 GEMM cost more than the
+bf16 GEMM saves (decode). ``policy="always"`` runs FP8 for every call.
+
+The route taken is counted per call on the layer's report site (``handle.report()``).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 from torch import nn
 
 from quantpatch.dispatch import REFERENCE, Implementation, LinearCall, Quiet, register, run_op
-from quantpatch.fallback import SiteRecord
+from quantpatch.fallback import ORIGINAL_LINEAR_ROUTE, SiteRecord
 from quantpatch.kernels.device import cuda_unsupported
 from quantpatch.kernels.fp8_linear.fp8_linear_ref import fp8_linear_ref, quantize_rows_fp8_ref
 
@@ -39,6 +44,11 @@ SCALED_MM_MULTIPLE = 16
 ROUTE_GPU, ROUTE_REFERENCE = "scaled_mm", REFERENCE  # the implementations' names, as the report counts them
 OP, KEY = "fp8_linear", "fp8"  # the op of quantpatch.dispatch and its key (LinearConfig.kind)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Below this many tokens (rows of x) a GPU call runs the original bf16 weights under policy="speed". On an H200
+# (eval/bench_linear.py, eager, Llama-3-8B and Wan2.1-1.3B projection shapes) an FP8 call (quantization launch +
+# _scaled_mm) ran 0.1-0.9x bf16 F.linear from 16 to 2048 tokens wherever the host time of its two launches was not
+# hidden behind the GEMM (K = N = 1536 throughout), and 1.29-1.60x at 4096 tokens on the Llama shapes.
+FP8_MIN_TOKENS = 4096
 _REASONS: dict[tuple[torch.device, torch.dtype, bool], str | None] = {}
 _QUANTIZER: list[Callable] = []  # the Triton activation quantizer once imported (Triton loads only for the GPU path)
 
@@ -139,6 +149,15 @@ register(OP, KEY, Implementation(ROUTE_GPU, 10, _gpu_unsupported, _gpu_run))
 register(OP, KEY, Implementation(ROUTE_REFERENCE, 0, lambda call: None, _reference))
 
 
+def original_reason(tokens: int, is_cuda: bool) -> str | None:
+    """Why a call of ``tokens`` rows runs the original ``nn.Linear`` under ``policy="speed"``; None: FP8 runs."""
+    if not is_cuda:
+        return "the FP8 path off CUDA is the PyTorch reference"
+    if tokens < FP8_MIN_TOKENS:
+        return f"fewer than {FP8_MIN_TOKENS} tokens"
+    return None
+
+
 class FP8Linear(nn.Module):
     """``y = x Wᵀ + b`` with e4m3 weights per output channel and e4m3 activations per token (inference only).
 
@@ -159,6 +178,7 @@ class FP8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.site: SiteRecord | None = None  # the report entry whose routes each call counts
+        self.original: tuple[nn.Linear, ...] = ()  # policy "speed": the replaced layer (a tuple: not a submodule)
         self.register_buffer("weight_fp8", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn,
                                                        device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
@@ -182,6 +202,13 @@ class FP8Linear(nn.Module):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x (..., K)`` → ``(..., N)``: FP8, or the original layer where :func:`original_reason` gives a reason."""
+        if self.original and self.original[0].weight.device == x.device:
+            why = original_reason(x.numel() // self.in_features, x.is_cuda)
+            if why is not None:
+                if self.site is not None:
+                    self.site.count(ORIGINAL_LINEAR_ROUTE + why)
+                return self.original[0](x)
         return run_op(OP, KEY, LinearCall(x, self), what=f"FP8Linear({self.in_features}->{self.out_features})",
                       record=self.site)
 

@@ -15,8 +15,15 @@ from torch import nn
 import quantpatch as qp
 from quantpatch.cli_commands import load_eval_script
 from quantpatch.config import CONFIG_VERSION, LinearConfig, ModeConfig
-from quantpatch.fallback import UnsupportedError, reset_fallback_warnings
-from quantpatch.fp8_linear import ROUTE_GPU, ROUTE_REFERENCE, FP8Linear, scaled_mm_unsupported
+from quantpatch.fallback import ORIGINAL_LINEAR_ROUTE, UnsupportedError, reset_fallback_warnings
+from quantpatch.fp8_linear import (
+    FP8_MIN_TOKENS,
+    ROUTE_GPU,
+    ROUTE_REFERENCE,
+    FP8Linear,
+    original_reason,
+    scaled_mm_unsupported,
+)
 from quantpatch.kernels.fp8_linear.fp8_linear_ref import fp8_linear_ref, quantize_rows_fp8_ref
 from quantpatch.metrics import cos_sim, rel_l1
 from quantpatch.modes import MODES
@@ -221,6 +228,24 @@ def test_llama_block_linears_swapped_and_restored_bitwise():
 
 
 @pytest.mark.usefixtures("no_leaks")
+def test_speed_policy_calls_the_original_linear_where_fp8_cannot_be_faster():
+    """On the CPU (the FP8 path is the reference there) every call runs the original layer, bitwise, and the report
+    counts the route with why; on a GPU, calls below FP8_MIN_TOKENS tokens do."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+    with qp.patch_model(model, "off", linear="fp8") as handle, torch.no_grad():
+        assert handle.policy == "speed"
+        assert torch.equal(model(ids).logits, ref)
+        route = ORIGINAL_LINEAR_ROUTE + "the FP8 path off CUDA is the PyTorch reference"
+        assert all(s.routes == {route: 1} and not s.implementations for s in _linear_sites(handle).values())
+        assert handle.report().count(f"1 calls: {route}") == len(LLAMA_BLOCK_LINEARS), handle.report()
+    assert original_reason(FP8_MIN_TOKENS - 1, is_cuda=True) == f"fewer than {FP8_MIN_TOKENS} tokens"
+    assert original_reason(FP8_MIN_TOKENS, is_cuda=True) is None
+
+
+@pytest.mark.usefixtures("no_leaks")
 def test_attention_mode_and_fp8_linears_together():
     model = tiny_model("llama")
     with qp.patch_model(model, "sage2-8b", linear="fp8", policy="always") as handle:
@@ -282,7 +307,7 @@ def test_wan_block_linears_swapped_and_restored_bitwise():
     linears = {n for n, m in model.named_modules() if type(m) is nn.Linear}
     expected = {n for n in linears if n.startswith("blocks.")}
     assert len(expected) == 20 and "proj_out" in linears - expected
-    handle = qp.patch_model(model, "off", linear="fp8")
+    handle = qp.patch_model(model, "off", linear="fp8", policy="always")
     assert {n for n, m in model.named_modules() if isinstance(m, FP8Linear)} == expected
     assert set(_linear_sites(handle)) == expected
     out = call()
@@ -294,7 +319,7 @@ def test_wan_block_linears_swapped_and_restored_bitwise():
 def test_norm_and_embedding_linears_are_kept():
     model, call = _diffusers("CogVideoXTransformer3DModel")
     ref = call()
-    with qp.patch_model(model, "off", linear="fp8") as handle:
+    with qp.patch_model(model, "off", linear="fp8", policy="always") as handle:
         swapped = {n for n, m in model.named_modules() if isinstance(m, FP8Linear)}
         kept = {n for n, m in model.named_modules() if type(m) is nn.Linear}
         assert swapped == {f"transformer_blocks.{i}.{s}" for i in range(2) for s in (
@@ -393,7 +418,7 @@ def test_gpu_scaled_mm_path_matches_the_reference(m, bias):
 def test_gpu_patched_llama_routes_to_scaled_mm_and_compiles_without_graph_breaks():
     model = tiny_model("llama").to("cuda", torch.bfloat16)
     ids = torch.randint(0, 128, (1, 64), device="cuda")
-    with qp.patch_model(model, "off", linear="fp8") as handle:
+    with qp.patch_model(model, "off", linear="fp8", policy="always") as handle:
         with torch.no_grad():
             model(ids)
         assert all(s.routes == {ROUTE_GPU: 1} for s in _linear_sites(handle).values()), handle.report()
