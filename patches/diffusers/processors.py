@@ -4,6 +4,10 @@ The wrapped processor runs unchanged (its projections, QK norms, RoPE and joint 
 attention stay exact); only its attention product is routed to ``quantpatch.attention``:
 while it runs, the name it calls (``dispatch_attention_fn`` in its module, or
 ``torch.nn.functional.scaled_dot_product_attention``) is swapped, inside try/finally.
+Under context parallelism (a ``parallel_config`` in the dispatch call) the attention runs inside
+Diffusers' own Ulysses / ring machinery (:mod:`~quantpatch.patches.diffusers.context_parallel`).
+The attributes Diffusers sets on a processor (``_parallel_config`` from ``enable_parallelism``,
+``_attention_backend`` from ``set_attention_backend``) reach the wrapped processor, which reads them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,11 @@ from quantpatch.api import attention
 from quantpatch.config import AttentionConfig
 from quantpatch.dispatch import AttentionCall, speed_reason, speed_route
 from quantpatch.fallback import SiteRecord, fall_back, note_sdpa_route, running_site
+from quantpatch.patches.diffusers.context_parallel import (
+    attention_lengths,
+    bound_forward_op,
+    context_parallel_attention,
+)
 
 
 class _Router:
@@ -28,47 +37,57 @@ class _Router:
         self.config, self.record, self.strict, self.policy = config, record, strict, policy
         self.original_dispatch = dispatch
         self.original_sdpa = torch.nn.functional.scaled_dot_product_attention
+        self.context_parallel_op = bound_forward_op(config, record, strict)
 
-    def _run(self, layout, query, key, value, attn_mask, dropout_p, is_causal, scale, reason):
-        if self.policy == "speed" and not reason:
-            seq = 1 if layout == "BSHD" else 2
-            why = speed_reason(self.config, query.device, query.shape[-1], query.shape[seq], key.shape[seq],
-                               is_causal)
+    def _keeps_original(self, layout, query, key, value, attn_mask, dropout_p, is_causal, scale,
+                        lengths: tuple[int, int]) -> bool:
+        """Whether this call runs the processor's own attention (the reason recorded on the site). ``lengths``:
+        the ``(Nq, Nk)`` the attention runs at."""
+        if self.policy == "speed":
+            why = speed_reason(self.config, query.device, query.shape[-1], *lengths, is_causal)
             if why is None:  # long enough: does a kernel take it (a mask, a dtype)?
-                q, k, v = (t.transpose(1, 2) for t in (query, key, value)) if seq == 1 else (query, key, value)
-                _, _, why = speed_route(AttentionCall(q, k, v, self.config, is_causal, scale, attn_mask, False))
+                q, k, v = (t.transpose(1, 2) for t in (query, key, value)) if layout == "BSHD" else (query, key, value)
+                call = AttentionCall(q, k, v, self.config, is_causal, scale, attn_mask, False)
+                _, _, why = speed_route(call, lengths)
             if why is not None:  # the processor's own attention: its unpatched result and speed
                 note_sdpa_route(self.record, why)
-                return None
+                return True
+        reason = None
         if dropout_p:
             reason = "attention dropout"
-        elif is_causal and query.shape[1 if layout == "BSHD" else 2] != key.shape[1 if layout == "BSHD" else 2]:
-            reason = reason or "top-left causal mask with q_len != kv_len"
+        elif is_causal and lengths[0] != lengths[1]:
+            reason = "top-left causal mask with q_len != kv_len"
         if reason:
             with running_site(self.record):
                 fall_back(self.record.name, reason, strict=self.strict)
-            return None
-        with running_site(self.record):
-            return attention(query, key, value, mode=self.config, is_causal=is_causal, scale=scale, layout=layout,
-                             attn_mask=attn_mask, strict=self.strict)  # the route is decided above
+            return True
+        return False
 
     def dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                  enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
-        reason = "context-parallel attention" if parallel_config is not None else None
-        out = self._run("BSHD", query, key, value, attn_mask, dropout_p, is_causal, scale, reason)
-        if out is None:
+        lengths = (query.shape[1], key.shape[1])
+        if parallel_config is not None:  # Diffusers' context parallelism: Ulysses / ring around our attention
+            lengths = attention_lengths(parallel_config, *lengths)
+        if self._keeps_original("BSHD", query, key, value, attn_mask, dropout_p, is_causal, scale, lengths):
             return self.original_dispatch(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                                           attention_kwargs=attention_kwargs, backend=backend,
                                           parallel_config=parallel_config)
-        return out
+        if parallel_config is not None:
+            return context_parallel_attention(self.context_parallel_op, query, key, value, attn_mask, is_causal,
+                                              scale, enable_gqa, parallel_config)
+        with running_site(self.record):
+            return attention(query, key, value, mode=self.config, is_causal=is_causal, scale=scale, layout="BSHD",
+                             attn_mask=attn_mask, strict=self.strict)  # the route is decided above
 
     def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        out = self._run("BHSD", query, key, value, attn_mask, dropout_p, is_causal, scale, None)
-        if out is None:
+        if self._keeps_original("BHSD", query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                (query.shape[2], key.shape[2])):
             return self.original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                       is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-        return out
+        with running_site(self.record):
+            return attention(query, key, value, mode=self.config, is_causal=is_causal, scale=scale, layout="BHSD",
+                             attn_mask=attn_mask, strict=self.strict)  # the route is decided above
 
 
 class QuantpatchProcessor:
@@ -105,6 +124,17 @@ class QuantpatchProcessor:
         if name == "original":
             raise AttributeError(name)
         return getattr(self.original, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the wrapped processor reads what Diffusers sets (enable_parallelism's _parallel_config, a backend)
+        if name in _OWN_ATTRIBUTES:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.original, name, value)
+
+
+_OWN_ATTRIBUTES = frozenset(("original", "config", "record", "strict", "route", "policy", "module", "router",
+                             "swaps_dispatch"))
 
 
 def wrap_processor(original: Any, config: AttentionConfig, record: SiteRecord, strict: bool, route: str,

@@ -35,6 +35,8 @@ attention plain full precision.
   input dtype, as Transformers' own ``QuantizedCache`` does, so any attention stays correct.
 
 Sliding-window, chunked and linear-attention layers are not supported (every layer is full attention).
+Under Transformers tensor parallelism a rank's cache holds the rank's KV heads, with their slice of the per-head
+widths (:mod:`~quantpatch.patches.transformers.tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ from quantpatch.kernels.turbo_kv.turbo_ref import (
     turbo_compress_kv_ref,
     turbo_decompress_kv_ref,
 )
+from quantpatch.patches.transformers.tensor_parallel import kv_head_range
 
 logger = logging.getLogger("quantpatch")
 
@@ -91,12 +94,16 @@ _ACTIVE_CACHE: contextvars.ContextVar[weakref.ref | None] = contextvars.ContextV
 
 @dataclass(frozen=True)
 class ModelKVShape:
-    """What a cache must agree on with the model it serves."""
+    """What a cache must agree on with the model it serves.
+
+    ``kv_heads`` counts the model's KV heads; ``heads`` are the model-wide indices of those this process's attention
+    holds: all of them, or under tensor parallelism the rank's slice (:func:`kv_head_range`)."""
 
     name: str
     num_layers: int
     kv_heads: int
     head_dim: int
+    heads: range
 
     @classmethod
     def of(cls, model: Any) -> ModelKVShape:
@@ -116,10 +123,11 @@ class ModelKVShape:
         others = sorted(set(layer_types) - {"full_attention"})
         if others:
             raise ValueError(f"TurboCache supports full-attention layers only; {name} has {others} layers")
-        return cls(name, config.num_hidden_layers, kv_heads, head_dim)
+        return cls(name, config.num_hidden_layers, kv_heads, head_dim, kv_head_range(model, kv_heads))
 
     def describe(self) -> str:
-        return f"{self.name} ({self.num_layers} layers, {self.kv_heads} KV heads, head_dim {self.head_dim})"
+        held = "" if len(self.heads) == self.kv_heads else f" of which this rank holds {list(self.heads)}"
+        return f"{self.name} ({self.num_layers} layers, {self.kv_heads} KV heads{held}, head_dim {self.head_dim})"
 
 
 # --------------------------------------------------------------------------- head bits
@@ -131,11 +139,12 @@ LayerBits = tuple[tuple[int, ...], tuple[int, ...]]
 def resolve_head_bits(
     head_bits: HeadPrecision | Sequence[Any] | dict | None, shape: ModelKVShape, kv: KVCacheConfig
 ) -> list[LayerBits]:
-    """Per layer ``(k_bits, v_bits)``, each a tuple of ``shape.kv_heads`` widths.
+    """Per layer ``(k_bits, v_bits)``, each a tuple of widths of the KV heads ``shape.heads`` (this rank's).
 
     ``head_bits``: None (every head at ``kv.bits``; only when ``kv.two_bit_heads == 0``), a
     :class:`HeadPrecision` (or its ``to_dict()``), or one entry per layer: an int (every head), a
-    sequence of per-head ints (K and V alike) or a mapping ``{"k": [...], "v": [...]}``.
+    sequence of per-head ints (K and V alike) or a mapping ``{"k": [...], "v": [...]}``; per-head
+    entries give all ``shape.kv_heads`` of the model (tensor parallelism keeps the rank's slice).
     """
     if head_bits is None:
         if kv.two_bit_heads:
@@ -144,7 +153,7 @@ def resolve_head_bits(
                 "quantpatch.calibrate_head_precision(model, texts, tokenizer) and pass its result as head_bits "
                 "(or use a config with two_bit_heads=0)"
             )
-        row = (kv.bits,) * shape.kv_heads
+        row = (kv.bits,) * len(shape.heads)
         return [(row, row)] * shape.num_layers
     if isinstance(head_bits, dict):
         head_bits = HeadPrecision.from_dict(head_bits)
@@ -159,9 +168,10 @@ def resolve_head_bits(
     for i, entry in enumerate(head_bits):
         k, v = (entry["k"], entry["v"]) if isinstance(entry, dict) else (entry, entry)
         try:
-            out.append((per_head_bits(k, shape.kv_heads), per_head_bits(v, shape.kv_heads)))
+            k, v = per_head_bits(k, shape.kv_heads), per_head_bits(v, shape.kv_heads)
         except ValueError as err:
             raise ValueError(f"head_bits of layer {i}: {err} (the model {shape.describe()})") from err
+        out.append((tuple(k[h] for h in shape.heads), tuple(v[h] for h in shape.heads)))
     return out
 
 
@@ -398,6 +408,10 @@ class TurboCompressCall:
     def is_cuda(self) -> bool:
         return self.x.is_cuda
 
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
 
 def _compressed_with(call: TurboCompressCall, compress_blocks: Callable | None = None,
                      compress_int8: Callable = compress_int8_blocks) -> tuple[CompressedKV, Int8Buffer]:
@@ -500,11 +514,13 @@ class TurboCache(Cache):
         self.head_bits = resolve_head_bits(head_bits, self.shape, kv)
         absmax = [(None, None)] * self.shape.num_layers
         if isinstance(head_bits, HeadPrecision) and head_bits.k_absmax:
-            absmax = list(zip(head_bits.k_absmax, head_bits.v_absmax))
+            heads = self.shape.heads
+            absmax = [([k[h] for h in heads], [v[h] for h in heads])
+                      for k, v in zip(head_bits.k_absmax, head_bits.v_absmax)]
         self._model = weakref.ref(model)
         self._modules = {i: weakref.ref(m) for i, (_, m) in attention_modules(model).items()}
         layers = [
-            TurboLayer(self.shape.kv_heads, self.shape.head_dim, k, v, block=kv.buffer_tokens, qmax=kv.int8_qmax,
+            TurboLayer(len(self.shape.heads), self.shape.head_dim, k, v, block=kv.buffer_tokens, qmax=kv.int8_qmax,
                        layer_idx=i, headroom=buffer_headroom, k_absmax=absmax[i][0], v_absmax=absmax[i][1])
             for i, (k, v) in enumerate(self.head_bits)
         ]
@@ -602,6 +618,10 @@ class TurboDecodeCall:
     @property
     def is_cuda(self) -> bool:
         return self.query.is_cuda
+
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
 
 
 def _decode_reference(call: TurboDecodeCall) -> torch.Tensor:

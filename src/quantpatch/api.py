@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from quantpatch.config import AttentionConfig, ModeConfig
-from quantpatch.dispatch import AttentionCall, check_policy, select, speed_route
+from quantpatch.dispatch import AttentionCall, check_policy, run_on_device, select, speed_route
 from quantpatch.fallback import current_site, fall_back, note_implementation, note_sdpa_route
 from quantpatch.modes import get_mode
 from quantpatch.range_check import check_once
@@ -154,7 +154,7 @@ def attention(
         else:
             note_implementation(impl.name)
             check_once(current_site(), q, k, v, cfg, is_causal=is_causal, scale=scale)
-            result = impl.run(call)
+            result = run_on_device(impl, call)
     o, lse = result if isinstance(result, tuple) else (result, None)
     o = o.to(q.dtype)
     if layout == "BSHD":

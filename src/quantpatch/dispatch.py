@@ -8,8 +8,9 @@ An :class:`Implementation` has a name, a priority and ``unsupported(call)``: why
 declined; :func:`run_op` runs it and reports the declines (one warning per reason, the handle's report).
 
 A call is a small frozen dataclass (:class:`AttentionCall`, :class:`LinearCall`; ``TurboCompressCall`` and
-``TurboDecodeCall`` beside the TurboCache) with an ``is_cuda`` property:
-the first CUDA call imports the op's GPU kernel module (:data:`KERNEL_MODULES`). The pure-PyTorch reference of
+``TurboDecodeCall`` beside the TurboCache) with ``is_cuda`` and ``device`` properties:
+the first CUDA call imports the op's GPU kernel module (:data:`KERNEL_MODULES`), and every implementation runs with
+the call's device current (:func:`run_on_device`). The pure-PyTorch reference of
 each op registers at priority 0 (attention's here, the others where their op lives); the GPU kernels register when
 :func:`load_kernels` imports them, through :func:`on_kernels_import` (kernels never import this layer).
 Architecture checks are the kernels' own (:mod:`quantpatch.kernels.device`), asked in their ``unsupported``.
@@ -59,6 +60,10 @@ class AttentionCall:
     def is_cuda(self) -> bool:
         return self.q.is_cuda
 
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
 
 @dataclass(frozen=True)
 class LinearCall:
@@ -70,6 +75,10 @@ class LinearCall:
     @property
     def is_cuda(self) -> bool:
         return self.x.is_cuda
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
 
 
 @dataclass(frozen=True)
@@ -190,6 +199,22 @@ def select(op: str, key: str, call: Any) -> tuple[Implementation | None, list[st
     return impl, [f"{name}: {reason}" for name, reason in declined]
 
 
+def run_on_device(impl: Implementation, call: Any) -> Any:
+    """``impl.run(call)`` with the call's CUDA device current.
+
+    Triton and Gluon launch on the current device (and its current stream), not on their tensors' one: a layer that
+    accelerate's ``device_map`` put on ``cuda:1`` runs while ``cuda:0`` is current. The guard is entered only when
+    the devices differ (a device index compared per call); a ``torch.compile`` graph sets its own device guard.
+    """
+    device = call.device
+    if device.type != "cuda" or device.index is None or torch.compiler.is_compiling():
+        return impl.run(call)
+    if device.index == torch.cuda.current_device():
+        return impl.run(call)
+    with torch.cuda.device(device):
+        return impl.run(call)
+
+
 def run_op(op: str, key: str, call: Any, *, what: str, record: SiteRecord | None = None) -> Any:
     """Run ``call`` on the implementation :func:`select` picks.
 
@@ -208,7 +233,7 @@ def run_op(op: str, key: str, call: Any, *, what: str, record: SiteRecord | None
                       to="the PyTorch reference" if impl.name == REFERENCE else f"the {impl.name} implementation")
             if record is not None:
                 record.fallbacks.add(reason)
-    out = impl.run(call)
+    out = run_on_device(impl, call)
     if record is not None:
         record.count(impl.name)
     return out
@@ -268,12 +293,17 @@ def crossover_lookup():
     return _TRACEABLE[0]
 
 
-def speed_route(call: AttentionCall) -> tuple[Implementation | None, list[str], str | None]:
+def speed_route(call: AttentionCall, lengths: tuple[int, int] | None = None
+                ) -> tuple[Implementation | None, list[str], str | None]:
     """``policy="speed"``'s choice for ``call``: ``(implementation, declined, None)`` where a kernel takes it, or
     ``(None, declined, why)`` where SDPA runs instead: shorter than the crossover (:func:`speed_reason`), or no kernel
-    takes it and only the PyTorch reference would (a mask, a dtype, a head dim)."""
+    takes it and only the PyTorch reference would (a mask, a dtype, a head dim).
+
+    ``lengths``: the ``(Nq, Nk)`` the attention will run at where they are not the call's (context parallelism:
+    Ulysses attends over the whole sequence after its all-to-all)."""
     q, k = call.q, call.k
-    why = speed_reason(call.config, q.device, q.shape[-1], q.shape[2], k.shape[2], call.is_causal)
+    nq, nk = lengths or (q.shape[2], k.shape[2])
+    why = speed_reason(call.config, q.device, q.shape[-1], nq, nk, call.is_causal)
     if why is not None:
         return None, [], why
     impl, declined = select("attention", call.config.numerics, call)

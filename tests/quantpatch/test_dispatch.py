@@ -18,7 +18,7 @@ from quantpatch.kernels.fp8_linear.fp8_linear_ref import fp8_linear_ref
 from quantpatch.kernels.w4a8.w4a8_ref import w4a8_linear_ref
 from quantpatch.w4a8_linear import W4A8Linear
 
-CPU_CALL = SimpleNamespace(is_cuda=False)
+CPU_CALL = SimpleNamespace(is_cuda=False, device=torch.device("cpu"))
 
 
 @pytest.fixture
