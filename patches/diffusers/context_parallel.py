@@ -39,6 +39,14 @@ def attention_lengths(parallel_config: Any, nq: int, nk: int) -> tuple[int, int]
     return nq * degree, nk * degree
 
 
+def materialized(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a plain tensor a GPU kernel can read: ring attention's KV chunks are views of a lazy all-gather
+    (an ``AsyncCollectiveTensor``), whose data pointer is not the gathered buffer's until it is waited on."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return tensor.wait() if isinstance(tensor, AsyncCollectiveTensor) else tensor
+
+
 def forward_op(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
                dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool, return_lse: bool,
                _save_ctx: bool = True, _parallel_config: Any = None, *, config: AttentionConfig, record: SiteRecord,
@@ -49,6 +57,7 @@ def forward_op(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     Ulysses' all-to-all, or one ring step's KV chunk). Returns ``out (B, Sq, H, D)`` in the query's dtype, and with
     ``return_lse`` also ``lse (B, Sq, H)`` float32, natural log. Inference only: nothing is saved for a backward.
     """
+    query, key, value = (materialized(t) for t in (query, key, value))
     with running_site(record):
         result = attention(query, key, value, mode=config, is_causal=is_causal, scale=scale, layout="BSHD",
                            attn_mask=attn_mask, return_lse=return_lse, strict=strict)

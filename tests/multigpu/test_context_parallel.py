@@ -174,3 +174,17 @@ def test_tiny_wan_under_ulysses_and_ring_matches_one_process():
             assert out.shape == single.shape
             assert cos_sim(out, single) >= floor, name
             assert routes == {"reference": WAN_CP_CALLS[name]}, name
+
+
+def test_lazy_all_gather_views_reach_the_kernels_as_plain_tensors():
+    """Ring attention hands the forward op views of a lazy all-gather (``AsyncCollectiveTensor``): a GPU kernel reads
+    its data pointer directly, so the op waits on it first (on the GPU such a view failed at the kernel launch)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    from quantpatch.patches.diffusers.context_parallel import materialized
+
+    plain = torch.randn(2, 3)
+    lazy = AsyncCollectiveTensor(plain)
+    waited = materialized(lazy)
+    assert type(waited) is torch.Tensor and torch.equal(waited, plain)
+    assert materialized(plain) is plain
