@@ -11,7 +11,7 @@ from the public configs of ``bench_models.py`` (no download), identical on both 
   policy always) vs unpatched TP; greedy ``generate()`` under ``patch_model(model, "turbo")`` (its TurboCache).
 * ``device_map``: the same Llama loaded by rank 0 alone with ``device_map="auto"`` and a ``max_memory`` that forces
   a split over cuda:0 / cuda:1 (cuda:0 stays current): patched logits vs the same patched model on one GPU and vs
-  unpatched.
+  unpatched; with ``tp``, the patched TP logits vs the same patched model on one GPU too.
 
     torchrun --standalone --nproc-per-node 2 eval/multigpu_checks.py --out DIR [--parts wan tp device_map]
 
@@ -154,7 +154,9 @@ def prompt(tokens: int, device, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(2)).to(device)
 
 
-def check_tp(args, path: str, device: torch.device) -> list[dict]:
+def check_tp(args, path: str, device: torch.device) -> tuple[list[dict], torch.Tensor]:
+    """The TP rows, and the patched TP last-token logits (on the CPU) for :func:`check_device_map` to hold against the
+    same patched model on one GPU."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype(device)).eval()
@@ -181,11 +183,13 @@ def check_tp(args, path: str, device: torch.device) -> list[dict]:
                     f"{seconds:.1f} s; {json.dumps(routes(handle))}"))
     del model
     torch.cuda.empty_cache()
-    return rows
+    return rows, patched.cpu()
 
 
-def check_device_map(args, path: str) -> list[dict]:
-    """Rank 0 only (one process over both GPUs); cuda:0 stays current while layers run on cuda:1."""
+def check_device_map(args, path: str, patched_tp: torch.Tensor | None) -> list[dict]:
+    """Rank 0 only (one process over both GPUs); cuda:0 stays current while layers run on cuda:1. With
+    ``patched_tp`` (the TP part's patched logits) also whether tensor parallelism adds error of its own: random weights
+    put the mode's own error (patched vs unpatched on one GPU) near the absolute bounds."""
     from transformers import AutoModelForCausalLM
 
     size_gib = sum(f.stat().st_size for f in Path(path).glob("*.safetensors")) / 2**30
@@ -211,7 +215,14 @@ def check_device_map(args, path: str) -> list[dict]:
     vs_fp_one = harness.similarity(patched_one, unpatched)["cos_sim"]
     log(f"device_map {devices}: CosSim vs one GPU patched {same:.6f}, vs unpatched {vs_fp:.6f}, routes {r}")
     detail = f"devices {devices}; one GPU patched vs unpatched {vs_fp_one:.6f}; {json.dumps(r)}"
-    return [row(f"{args.llama_name} device_map over 2 GPUs: logits vs same patched on one GPU",
+    rows = []
+    if patched_tp is not None:
+        tp_same = harness.similarity(patched_tp, patched_one)["cos_sim"]
+        log(f"tp vs one GPU patched: CosSim {tp_same:.6f} (one GPU patched vs unpatched {vs_fp_one:.6f})")
+        rows.append(row(f"{args.llama_name} tp 2: logits vs same patched on one GPU", round(tp_same, 6),
+                        f">= {COS_DEVICE_MAP_SAME}", tp_same >= COS_DEVICE_MAP_SAME,
+                        f"one GPU patched vs unpatched {vs_fp_one:.6f}"))
+    return rows + [row(f"{args.llama_name} device_map over 2 GPUs: logits vs same patched on one GPU",
                 round(same, 6), f">= {COS_DEVICE_MAP_SAME}, split, quantized",
                 same >= COS_DEVICE_MAP_SAME and devices == ["0", "1"] and quantized_calls(r) > 0, detail),
             row(f"{args.llama_name} device_map over 2 GPUs: logits vs unpatched", round(vs_fp, 6),
@@ -258,11 +269,13 @@ def main() -> None:
             path = [local]
             dist.broadcast_object_list(path, 0)  # rank 0's folder: both ranks load the same files
             save_llama(args, path[0], device)
+            patched_tp = None
             if "tp" in args.parts:
-                rows += check_tp(args, path[0], device)
+                tp_rows, patched_tp = check_tp(args, path[0], device)
+                rows += tp_rows
             dist.barrier(group=host)
             if "device_map" in args.parts and rank == 0 and gpu:
-                rows += check_device_map(args, path[0])
+                rows += check_device_map(args, path[0], patched_tp)
             dist.barrier(group=host)
     if rank == 0:
         out = Path(args.out)
