@@ -14,7 +14,8 @@ kept), and for Diffusers everything but the transformer (VAE, text encoders). ``
 
 Shapes: ``torch._scaled_mm`` takes in/out features that are multiples of 16. A layer that is not keeps its
 ``nn.Linear`` (decided at patch time on every device, so CPU and GPU swap the same layers): one warning,
-the reason in the report, ``UnsupportedError`` naming the layer under ``strict=True``.
+the reason in the report, ``UnsupportedError`` naming the layer under ``strict=True``. So does a layer whose weights
+accelerate offloads (its hook loads them from the meta device per call): FP8 weights are made at patch time.
 
 Each swap is an entry of the parent's ``_modules`` recorded in the handle, so ``remove()`` puts the original
 ``nn.Linear`` back (its weights are kept in memory while patched: :class:`~quantpatch.fp8_linear.FP8Linear`).
@@ -62,6 +63,14 @@ def _linears_under(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Lin
             yield from _linears_under(child, fqn)
 
 
+def offloaded(linear: nn.Linear) -> str | None:
+    """Why ``linear``'s weights cannot be quantized at patch time: accelerate offloads them (on the meta device until
+    its hook loads them for a call), or they are on the meta device."""
+    if hasattr(linear, "_hf_hook") or linear.weight.device.type == "meta":
+        return "weights offloaded by accelerate (or on the meta device): FP8 weights are made at patch time"
+    return None
+
+
 def block_linears(root: nn.Module, attention_modules: list[str]) -> dict[str, nn.Linear]:
     """``{fqn: linear}`` of the blocks holding ``attention_modules`` (FQNs under ``root``), in module order."""
     blocks = dict.fromkeys(block_of(root, fqn) for fqn in attention_modules)
@@ -89,7 +98,7 @@ def patch_linears(model: Any, handle: PatchHandle, *, strict: bool, include: lis
         if not selected(fqn, include, exclude):
             handle.add_site(fqn, "linear", "original nn.Linear (excluded)")
             continue
-        reason = shape_unsupported(linear.in_features, linear.out_features)
+        reason = shape_unsupported(linear.in_features, linear.out_features) or offloaded(linear)
         if reason is not None:
             fall_back(f"FP8 linear {fqn}", reason, strict=strict, to="the original nn.Linear")
             handle.add_site(fqn, "linear", "original nn.Linear").fallbacks.add(reason)

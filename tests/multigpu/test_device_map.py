@@ -37,3 +37,24 @@ def test_offload_hooks_stay_and_patched_logits_match():
     assert {r for site in handle.sites for r in site.routes} == {"reference"}
     assert {name for name, m in model.named_modules() if hasattr(m, "_hf_hook")} == hooked
     assert model.model.layers[0].self_attn.q_proj.weight.device.type == "meta"  # offloaded again after the call
+
+
+def test_fp8_linears_keep_offloaded_layers_with_a_warning():
+    """FP8 weights are made at patch time: a linear whose weights accelerate offloads (meta until its hook loads them)
+    keeps its nn.Linear and its hook, with a fallback warning naming it; ``strict`` raises."""
+    from quantpatch.fallback import UnsupportedError, reset_fallback_warnings
+    from quantpatch.fp8_linear import FP8Linear
+
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = _llama()(ids).logits
+    model = accelerate.cpu_offload(_llama(), execution_device="cpu")
+    reset_fallback_warnings()
+    with pytest.warns(qp.QuantpatchFallbackWarning, match="model.layers.0.self_attn.q_proj: weights offloaded"):
+        handle = qp.patch_model(model, "off", linear="fp8", policy="always")
+    with torch.no_grad(), handle:
+        assert not any(isinstance(m, FP8Linear) for m in model.modules())
+        assert hasattr(model.model.layers[0].mlp.up_proj, "_hf_hook")
+        assert torch.equal(model(ids).logits, expected)
+    with pytest.raises(UnsupportedError, match="offloaded"):
+        qp.patch_model(model, "off", linear="fp8", strict=True)
