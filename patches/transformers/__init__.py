@@ -22,6 +22,7 @@ from quantpatch.patches.transformers.attention import (
 )
 from quantpatch.patches.transformers.families import FAMILIES
 from quantpatch.patches.transformers.masks import shape_skipping_mask
+from quantpatch.patches.transformers.tensor_parallel import rank_kv_heads
 from quantpatch.patches.transformers.turbo_cache import install_generate_hook
 from quantpatch.patching import PatchHandle
 
@@ -74,12 +75,14 @@ def patch_transformers_model(
     sites = [(n, m) for n, m in model.named_modules() if _dispatches_attention(m)]
     if not sites:
         raise ValueError(f"found no attention module dispatching through AttentionInterface in {type(model).__name__}")
+    kv_heads = rank_kv_heads(model)
     for name, module in sites:
         is_selected = selected(name, include, exclude)
         runs = f"quantpatch {mode.name} attention" if is_selected else f"original {original_impl} attention (excluded)"
         record = handle.add_site(name, "attention", runs)
         config = handle.attention_config(name) if is_selected else None
-        site = AttentionSite(config, record, strict, original_attention(module, original_impl), softcap, handle.policy)
+        site = AttentionSite(config, record, strict, original_attention(module, original_impl), softcap, handle.policy,
+                             kv_heads)
         handle.setattr(module, SITE_ATTR, site)
 
     key = f"quantpatch_{next(_keys)}"

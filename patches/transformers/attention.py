@@ -14,7 +14,7 @@ and the attention runs on the compressed layer found by ``module.layer_idx``
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -42,6 +42,7 @@ class AttentionSite:
     original: Callable  # the model's own attention function (original_attention), resolved at patch time
     softcap: float | None
     policy: str = "speed"
+    kv_heads: slice = field(default_factory=lambda: slice(None))  # the KV heads this rank holds (tensor parallelism)
 
 
 def original_attention(module: Any, impl: str) -> Callable:
@@ -144,7 +145,7 @@ def make_attention_function() -> Callable:
             attention_mask = _with_position_bias(position_bias, attention_mask, key.shape[2])
         crs = crs_buffers(module) if site.config.numerics == "fireq" else None
         if crs is not None:  # a converted fireq model: CRS post-RoPE, online (q · t, k / t)
-            query, key = apply_online_crs(query, key, crs[0])
+            query, key = apply_online_crs(query, key, crs[0][site.kv_heads])
             if query.shape[2] < key.shape[2]:  # decode / chunked prefill over the cache: INT4 K/V, FP8 Q
                 from quantpatch.kernels.fireq_kv.fireq_ref import fireq_decode_attention_ref
 

@@ -34,3 +34,12 @@ def kv_head_range(model: Any, kv_heads: int) -> range:
     per_rank = kv_heads // degree
     rank = _tp_rank(model)
     return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+def rank_kv_heads(model: Any) -> slice:
+    """The slice of per-KV-head data (e.g. FireQ's CRS factors) this rank's attention calls hold: all without TP."""
+    if tp_degree(model) == 1:
+        return slice(None)
+    config = model.config.get_text_config(decoder=True)
+    heads = kv_head_range(model, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    return slice(heads.start, heads.stop)

@@ -34,6 +34,9 @@ def apply_online_crs(q: torch.Tensor, k: torch.Tensor, factors: torch.Tensor | N
     """Post-RoPE CRS: ``(q · t, k / t)`` with ``t (Hkv, D)`` (GQA: query head ``h`` uses KV head ``h // G``)."""
     if factors is None:
         return q, k
+    if factors.shape[0] != k.shape[1]:
+        raise ValueError(f"CRS factors of {factors.shape[0]} KV heads for a call over {k.shape[1]} KV heads: the "
+                         "model's heads are split in a way the fireq conversion does not know")
     dtype = torch.promote_types(q.dtype, torch.float32)  # at least float32 for the scaling
     q2, k2 = apply_crs(q.to(dtype), k.to(dtype), factors.to(device=q.device, dtype=dtype))
     return q2.to(q.dtype), k2.to(k.dtype)
