@@ -15,7 +15,9 @@ kept), and for Diffusers everything but the transformer (VAE, text encoders). ``
 Shapes: ``torch._scaled_mm`` takes in/out features that are multiples of 16. A layer that is not keeps its
 ``nn.Linear`` (decided at patch time on every device, so CPU and GPU swap the same layers): one warning,
 the reason in the report, ``UnsupportedError`` naming the layer under ``strict=True``. So does a layer whose weights
-accelerate offloads (its hook loads them from the meta device per call): FP8 weights are made at patch time.
+accelerate offloads (its hook loads them from the meta device per call) or tensor parallelism shards (DTensor
+weights), since FP8 weights are made whole at patch time, and a layer with forward hooks, which its replacement
+would not run.
 
 Each swap is an entry of the parent's ``_modules`` recorded in the handle, so ``remove()`` puts the original
 ``nn.Linear`` back (its weights are kept in memory while patched: :class:`~quantpatch.fp8_linear.FP8Linear`).
@@ -63,11 +65,16 @@ def _linears_under(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Lin
             yield from _linears_under(child, fqn)
 
 
-def offloaded(linear: nn.Linear) -> str | None:
-    """Why ``linear``'s weights cannot be quantized at patch time: accelerate offloads them (on the meta device until
-    its hook loads them for a call), or they are on the meta device."""
+def weights_unavailable(linear: nn.Linear) -> str | None:
+    """Why ``linear`` cannot become an FP8 layer at patch time: accelerate offloads its weights (on the meta device
+    until its hook loads them for a call), tensor parallelism shards them (a ``DTensor``), or forward hooks are
+    registered on it (a swapped module would not run them)."""
     if hasattr(linear, "_hf_hook") or linear.weight.device.type == "meta":
         return "weights offloaded by accelerate (or on the meta device): FP8 weights are made at patch time"
+    if type(linear.weight).__name__ == "DTensor":
+        return "weights sharded by tensor parallelism (DTensor): FP8 linears take whole, local weights"
+    if linear._forward_hooks or linear._forward_pre_hooks:
+        return "forward hooks on the layer, which a swapped module would not run"
     return None
 
 
@@ -98,7 +105,7 @@ def patch_linears(model: Any, handle: PatchHandle, *, strict: bool, include: lis
         if not selected(fqn, include, exclude):
             handle.add_site(fqn, "linear", "original nn.Linear (excluded)")
             continue
-        reason = shape_unsupported(linear.in_features, linear.out_features) or offloaded(linear)
+        reason = shape_unsupported(linear.in_features, linear.out_features) or weights_unavailable(linear)
         if reason is not None:
             fall_back(f"FP8 linear {fqn}", reason, strict=strict, to="the original nn.Linear")
             handle.add_site(fqn, "linear", "original nn.Linear").fallbacks.add(reason)

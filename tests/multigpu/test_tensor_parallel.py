@@ -153,3 +153,30 @@ def test_crs_factors_of_other_heads_are_refused():
     q, k = torch.randn(1, 4, 8, 32), torch.randn(1, 1, 8, 32)
     with pytest.raises(ValueError, match="CRS factors of 2 KV heads for a call over 1 KV heads"):
         apply_online_crs(q, k, torch.ones(2, 32))
+
+
+def _fp8_linears_under_tp(rank: int, path: str) -> dict:
+    import warnings
+
+    from quantpatch.fp8_linear import FP8Linear
+
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(1))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
+    with torch.no_grad():
+        unpatched = model(ids).logits[:, -1]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with qp.patch_model(model, "off", linear="fp8", policy="always"):
+                swapped = sum(isinstance(m, FP8Linear) for m in model.modules())
+                patched = model(ids).logits[:, -1]
+    return dict(unpatched=unpatched, patched=patched, swapped=swapped, messages=[str(w.message) for w in caught])
+
+
+def test_fp8_linears_keep_tensor_parallel_layers_with_a_warning(tmp_path):
+    """Sharded linears (DTensor weights, redistribution hooks) keep their modules, each with a fallback warning;
+    the model's output is the unpatched one."""
+    _save_tiny_llama(str(tmp_path))
+    for result in run_on_gloo(_fp8_linears_under_tp, str(tmp_path)):
+        assert result["swapped"] == 0 and torch.equal(result["patched"], result["unpatched"])
+        assert any("model.layers.0.self_attn.o_proj: weights sharded by tensor parallelism" in m
+                   for m in result["messages"]), result["messages"]

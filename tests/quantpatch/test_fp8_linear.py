@@ -284,6 +284,22 @@ def test_linear_keyword_misuse_raises():
     assert not any(isinstance(m, FP8Linear) for m in model.modules())
 
 
+@pytest.mark.usefixtures("no_leaks")
+def test_a_linear_with_forward_hooks_keeps_its_module_and_hooks():
+    model = tiny_model("llama")
+    calls = []
+    layer = model.model.layers[0].mlp.up_proj
+    hook = layer.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    reset_fallback_warnings()
+    with pytest.warns(qp.QuantpatchFallbackWarning, match="model.layers.0.mlp.up_proj: forward hooks on the layer"):
+        handle = qp.patch_model(model, "off", linear="fp8", policy="always")
+    with handle, torch.no_grad():
+        assert model.model.layers[0].mlp.up_proj is layer and isinstance(model.model.layers[0].mlp.down_proj, FP8Linear)
+        model(torch.randint(0, 128, (1, 5)))
+    assert calls == [torch.Size([1, 5, 128])]
+    hook.remove()
+
+
 def test_block_without_plain_linears_is_noted():
     model = tiny_model("gpt2")  # GPT-2's projections are Conv1D modules
     with qp.patch_model(model, "off", linear="fp8") as handle:
