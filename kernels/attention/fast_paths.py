@@ -327,19 +327,23 @@ def quantized_attention(
 
 
 DELTA_S_LIMIT = 2**31  # smooth Q's ΔS (B, H, ⌈Nq / block_q⌉, Nk_pad) is read through 32-bit TMA coordinates
+# ΔS entries (float32) a slice may hold where more than one head fits: 1 GiB, so that one call's extra memory stays
+# near its output plus one quantized copy of Q, K and V (B=4, H=32, 32k tokens, D=128: ΔS alone would be 4 GiB)
+DELTA_S_BUDGET = 2**28
 
 
 def head_chunks(cfg: AttentionConfig, b: int, h: int, hkv: int, nq: int, nk: int) -> list[tuple[int, int, int, int]]:
-    """``(b0, b1, h0, h1)`` slices of batch and query heads that each keep ΔS under :data:`DELTA_S_LIMIT` (one slice
-    for calls without smooth Q). Attention is independent per batch entry and per query head; a slice spans whole
-    GQA groups, or part of one group."""
+    """``(b0, b1, h0, h1)`` slices of batch and query heads that each keep ΔS within :data:`DELTA_S_BUDGET` entries
+    (or, where one head holds more, one head a slice under :data:`DELTA_S_LIMIT`); one slice for calls without smooth
+    Q. Attention is independent per batch entry and per query head; a slice spans whole GQA groups, or part of one
+    group."""
     per_head = math.ceil(nq / cfg.block_q) * math.ceil(nk / KEY_BLOCK) * KEY_BLOCK
-    if not cfg.smooth_q or b * h * per_head < DELTA_S_LIMIT:
+    if not cfg.smooth_q or b * h * per_head <= DELTA_S_BUDGET:
         return [(0, b, 0, h)]
-    heads = (DELTA_S_LIMIT - 1) // per_head
-    if heads < 1:
+    if per_head >= DELTA_S_LIMIT:
         raise ValueError(f"smooth Q's ΔS of one head ({per_head} entries for Nq={nq}, Nk={nk}) exceeds 32-bit TMA "
                          "coordinates; use a mode without smooth Q (sage2-8b)")
+    heads = max(DELTA_S_BUDGET // per_head, 1)
     if h <= heads:
         step = heads // h
         return [(i, min(i + step, b), 0, h) for i in range(0, b, step)]
@@ -350,7 +354,7 @@ def head_chunks(cfg: AttentionConfig, b: int, h: int, hkv: int, nq: int, nk: int
 
 def run(call):
     """The kernels on ``call`` (an ``AttentionCall`` that :func:`call_unsupported` accepts): ``o``, or ``(o, lse)``
-    where it asks for the LSE; smooth-Q calls whose ΔS would overflow 32-bit TMA coordinates in
+    where it asks for the LSE; smooth-Q calls whose ΔS would pass its memory budget (or 32-bit TMA coordinates) in
     :func:`head_chunks` slices."""
     q, k, v = call.q, call.k, call.v
     rep = q.shape[1] // k.shape[1]
