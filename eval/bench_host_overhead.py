@@ -6,7 +6,9 @@ Rows (µs per call, median of repeats of ``--calls`` back-to-back calls, then on
 * ``patched-speed``: the same call through quantpatch's registered attention under ``policy="speed"``
   (a short call: routed to the model's own attention);
 * ``patched-always``: the mode's quantized path (quantization launches and the kernel), ``policy="always"``;
-* ``linear`` / ``w4a8``: ``F.linear`` on bf16 weights against ``W4A8Linear`` (GPU only), M = 1.
+* ``linear`` / ``w4a8`` / ``fp8``: ``F.linear`` on bf16 weights against ``W4A8Linear`` and ``FP8Linear`` (the FP8 path:
+  the activation quantization launch, then ``torch._scaled_mm``), M = 1; ``scaled-mm`` (GPU only): that
+  ``torch._scaled_mm`` call alone on pre-quantized operands, the part of ``fp8`` that is PyTorch's.
 
 ``overhead_us`` is each row's time less its baseline's. Writes ``host_overhead.csv``, ``bench.json`` and
 ``summary.md`` under ``--out``.
@@ -72,15 +74,23 @@ def attention_rows(args, device: torch.device) -> list[dict]:
 
 
 def linear_rows(args, device: torch.device) -> list[dict]:
+    from quantpatch.fp8_linear import FP8Linear
+    from quantpatch.kernels.fp8_linear.fp8_linear_ref import quantize_rows_fp8_ref
     from quantpatch.w4a8_linear import W4A8Linear
 
     linear = torch.nn.Linear(4096, 4096, bias=False, device=device, dtype=torch.bfloat16)
     w4a8 = W4A8Linear.from_linear(linear).to(device)
+    fp8 = FP8Linear.from_linear(linear)  # called directly: the FP8 path on every call (no policy)
     x = torch.randn(1, 4096, device=device, dtype=torch.bfloat16)
-    rows = [dict(row="linear", us=host_us(lambda: torch.nn.functional.linear(x, linear.weight), device, args.calls,
-                                          args.repeats), baseline="linear")]
-    rows.append(dict(row="w4a8", us=host_us(lambda: w4a8(x), device, args.calls, args.repeats), baseline="linear"))
-    return rows
+    calls = {"linear": lambda: torch.nn.functional.linear(x, linear.weight), "w4a8": lambda: w4a8(x),
+             "fp8": lambda: fp8(x)}
+    if device.type == "cuda":
+        x_fp8, x_scale = quantize_rows_fp8_ref(x)
+        w_t, w_scale = fp8.weight_fp8.t(), fp8.weight_scale.view(1, -1)
+        calls["scaled-mm"] = lambda: torch._scaled_mm(x_fp8, w_t, scale_a=x_scale, scale_b=w_scale,
+                                                      out_dtype=torch.bfloat16, use_fast_accum=False)
+    return [dict(row=name, us=host_us(fn, device, args.calls, args.repeats), baseline="linear")
+            for name, fn in calls.items()]
 
 
 def with_overheads(rows: list[dict]) -> list[dict]:
