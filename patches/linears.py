@@ -113,8 +113,7 @@ def patch_linears(model: Any, handle: PatchHandle, *, strict: bool, include: lis
         fp8 = swapped.get(id(linear))
         if fp8 is None:
             fp8 = swapped[id(linear)] = FP8Linear.from_linear(linear)
-            if handle.policy == "speed":
-                fp8.original = (linear,)
+            fp8.original, fp8.speed_policy = (linear,), handle.policy == "speed"
             fp8.site = handle.add_site(fqn, "linear", "quantpatch FP8Linear (e4m3 weights per channel, "
                                                       "activations per token)")
         parent, _, child = fqn.rpartition(".")

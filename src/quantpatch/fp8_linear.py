@@ -178,7 +178,10 @@ class FP8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.site: SiteRecord | None = None  # the report entry whose routes each call counts
-        self.original: tuple[nn.Linear, ...] = ()  # policy "speed": the replaced layer (a tuple: not a submodule)
+        # the replaced layer (a tuple: not a submodule): the model's later .to() / casts reach it (_apply), so the
+        # handle restores it where the model then is; under policy "speed" (speed_policy) short calls run it
+        self.original: tuple[nn.Linear, ...] = ()
+        self.speed_policy = False
         self.register_buffer("weight_fp8", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn,
                                                        device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
@@ -203,7 +206,7 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x (..., K)`` → ``(..., N)``: FP8, or the original layer where :func:`original_reason` gives a reason."""
-        if self.original and self.original[0].weight.device == x.device:
+        if self.speed_policy and self.original[0].weight.device == x.device:
             why = original_reason(x.numel() // self.in_features, x.is_cuda)
             if why is not None:
                 if self.site is not None:
@@ -221,6 +224,8 @@ class FP8Linear(nn.Module):
             new = getattr(self, name)
             if new.dtype != old.dtype:
                 setattr(self, name, old.to(new.device))
+        for layer in self.original:
+            layer._apply(fn, recurse)
         return self
 
     def extra_repr(self) -> str:

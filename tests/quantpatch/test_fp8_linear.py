@@ -285,6 +285,18 @@ def test_linear_keyword_misuse_raises():
 
 
 @pytest.mark.usefixtures("no_leaks")
+def test_a_model_cast_while_patched_gets_its_original_linears_back_cast():
+    """``model.to(...)`` while patched reaches the kept originals: ``remove()`` restores layers that match the model."""
+    model = tiny_model("llama")
+    handle = qp.patch_model(model, "off", linear="fp8", policy="always")
+    model.to(torch.float64)
+    handle.remove()
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    with torch.no_grad():
+        assert model(torch.randint(0, 128, (1, 5))).logits.dtype == torch.float64
+
+
+@pytest.mark.usefixtures("no_leaks")
 def test_a_linear_with_forward_hooks_keeps_its_module_and_hooks():
     model = tiny_model("llama")
     calls = []
