@@ -19,10 +19,11 @@
 * ``"reference"`` elsewhere: on the CPU that is the path (silent); a CUDA device the GPU path cannot
   serve warns once with the reason and records it in the handle's report.
 
-Under ``patch_model``'s default ``policy="speed"`` a layer keeps a reference to the ``nn.Linear`` it replaced and
-calls it where FP8 cannot be faster (:func:`original_reason`): on the CPU, where the FP8 path is the reference, and
-below ``FP8_MIN_TOKENS`` tokens on a GPU, where the quantization launch and the small FP8 GEMM cost more than the
-bf16 GEMM saves (decode). ``policy="always"`` runs FP8 for every call.
+``patch_model`` gives each layer the ``nn.Linear`` it replaced (``original``; the model's later ``.to()`` and casts
+reach it, so ``remove()`` restores it where the model then is). Under the default ``policy="speed"`` the layer calls
+it where FP8 cannot be faster (:func:`original_reason`): on the CPU, where the FP8 path is the reference, and below
+``FP8_MIN_TOKENS`` tokens on a GPU, where the quantization launch and the small FP8 GEMM cost more than the bf16
+GEMM saves (decode). ``policy="always"`` runs FP8 for every call.
 
 The route taken is counted per call on the layer's report site (``handle.report()``).
 """
