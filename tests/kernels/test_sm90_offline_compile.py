@@ -1,0 +1,67 @@
+"""The one-warpgroup sm_90 Gluon attention kernel compiles for sm_90 on any machine.
+
+Gluon has no interpreter, so the kernel's numerics are tested on the GPU only (``test_attn_sm90.py``). Triton's
+compiler and ``ptxas`` need no GPU, though: this builds the kernel for sm_90 as its launcher does (head_dim 64 and
+128, causal or not, sage2 and int8-flash operands, the launcher's register cap) and checks the binary holds the
+tensor-core instructions of its numerics and fits the shared memory that lets several programs share an SM.
+"""
+
+import os
+
+import pytest
+
+gluon = pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+owg = pytest.importorskip("quantpatch.kernels.attention.one_warpgroup_gluon", reason="the sm_90 kernel needs Gluon")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+gl = gluon.language
+BLOCK_N = 128
+SM90_SHARED_BYTES = 227 * 1024  # per SM, for thread blocks
+
+
+def _compile(head_dim: int, causal: bool, int8_flash: bool):
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = owg._attn_sm90_kernel
+    k_layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim), element_bitwidth=8, rank=2)
+    v_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    vec_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    types = dict(Q_ptr="*i8", QS_ptr="*fp32", KS_ptr="*fp32", VS_ptr="*fp32", VM_ptr="*fp32", O_ptr="*bf16",
+                 LSE_ptr="*fp32", stride_ob="i64", stride_oh="i64", stride_om="i64", qk_scale="fp32",
+                 k_desc=f"tensordesc<i8[{BLOCK_N}, {head_dim}],{k_layout!r}>",
+                 vt_desc=f"tensordesc<{'i8' if int8_flash else 'fp8e4nv'}[{head_dim}, {BLOCK_N}],{v_layout!r}>",
+                 ks_desc=f"tensordesc<fp32[{BLOCK_N}],{vec_layout!r}>")
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=owg.DEFAULT_STAGES, CAUSAL=causal, SMOOTH_V=False,
+                      RETURN_LSE=True, TOKEN_SCALES=int8_flash, PV_INT8=int8_flash)
+    names = kernel.arg_names
+    aligned = [n for n in names if n.endswith("_ptr")] + ["stride_ob", "stride_oh", "stride_om", "NK_PAD"]
+    source = GluonASTSource(fn=kernel, signature={n: "constexpr" if n in constexprs else types.get(n, "i32")
+                                                  for n in names},
+                            constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                            attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    options = {"num_warps": 4}
+    if owg.MAXNREG[head_dim]:
+        options["maxnreg"] = owg.MAXNREG[head_dim]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+@pytest.mark.parametrize("head_dim, causal, int8_flash", [(128, False, False), (128, True, False), (64, False, False),
+                                                          (64, True, True)])
+def test_kernel_builds_for_sm90(head_dim, causal, int8_flash):
+    if int8_flash and os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("under TRITON_INTERPRET the shared @triton.jit rounding helpers int8-flash calls are interpreted "
+                    "functions, which a Gluon compile cannot inline")
+    try:
+        compiled = _compile(head_dim, causal, int8_flash)
+    except (ImportError, RuntimeError) as err:
+        if "ptxas" in str(err) or "backend" in str(err).lower():
+            pytest.skip(f"no CUDA compiler toolchain in this Triton: {err}")
+        raise
+    shapes = {line.split()[0].rsplit(".aligned.", 1)[-1] for line in compiled.asm["ptx"].splitlines()
+              if "wgmma.mma_async" in line}
+    pv = f"m64n{head_dim}k32." + ("s32.s8.s8" if int8_flash else "f32.e4m3.e4m3")
+    assert shapes == {f"m64n{BLOCK_N}k32.s32.s8.s8", pv}, shapes  # Q̂·K̂ᵀ on INT8 tensor cores, P̂·V̂ on the mode's
+    programs_per_sm = SM90_SHARED_BYTES // compiled.metadata.shared
+    assert programs_per_sm >= (3 if head_dim == 128 else 4), compiled.metadata.shared
