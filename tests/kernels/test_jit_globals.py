@@ -47,7 +47,8 @@ def _free_names(fn: types.FunctionType) -> set[str]:
     func = tree.body[0]
     bound = {a.arg for a in func.args.args + func.args.kwonlyargs}
     loaded = set()
-    for node in ast.walk(func):
+    body = ast.Module(body=func.body, type_ignores=[])  # not the decorators: they run in Python, at definition
+    for node in ast.walk(body):
         if isinstance(node, ast.Name):
             (loaded if isinstance(node.ctx, ast.Load) else bound).add(node.id)
     return loaded - bound
