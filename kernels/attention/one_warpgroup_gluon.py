@@ -59,9 +59,10 @@ from .quant_attn_triton import LOG2E
 BLOCK_M = 64  # query rows of a program (one warpgroup, wgmma M)
 HEAD_DIMS = (64, 128)
 DEFAULT_STAGES = 2  # K/Vᵀ ring depth
-# ptxas register cap by head_dim: three programs an SM at D=128 (uncapped, causal programs took 197 registers, two an
-# SM, and ran 0.85–0.90× as fast at 16k–32k keys; H200); D=64 takes 128 registers uncapped, four programs an SM
-MAXNREG = {64: None, 128: 168}
+# ptxas register cap by (head_dim, per-token K scales): three programs an SM at D=128 (uncapped, causal programs
+# took 197 registers, two an SM, and ran 0.85–0.90× as fast at 16k–32k keys; H200); D=64 takes 128 registers
+# uncapped, four programs an SM
+MAXNREG = {(64, False): None, (64, True): None, (128, False): 168, (128, True): 168}
 
 
 @gluon.jit
@@ -238,6 +239,13 @@ def _attn_sm90_kernel(
 _LAUNCH = LaunchPlans(_attn_sm90_kernel)
 
 
+def compile_options(head_dim: int, token_scales: bool) -> dict:
+    """The kernel's launch options: 4 warps, and the register cap of :data:`MAXNREG` (``token_scales``: int8-flash's
+    per-token K scales)."""
+    maxnreg = MAXNREG[head_dim, token_scales]
+    return dict(num_warps=4, maxnreg=maxnreg) if maxnreg else dict(num_warps=4)
+
+
 def attn_qk_int8_pv_fp8_sm90(
     x: QuantizedQKV,
     nk: int,
@@ -258,8 +266,7 @@ def attn_qk_int8_pv_fp8_sm90(
 
     ``qk_granularity``: ``"thread"``, SageAttention2's per-thread groups (``block_q / warps`` a multiple of 16,
     ``block_k`` of 64), read as one δQ·δK a lane; ``"token"``: one scale a token (int8-flash), δK brought with K.
-    ``stages``: depth of the K and Vᵀ rings; the register cap for ptxas (more programs an SM) is :data:`MAXNREG` of
-    the head_dim.
+    ``stages``: depth of the K and Vᵀ rings; the ptxas register cap (more programs an SM): :func:`compile_options`.
     Returns ``o (B, H, Nq, D)`` in ``out_dtype`` and ``lse (B, H, Nq)`` float32 (natural log; empty unless asked).
     """
     b, h, nq, d = x.q_hat.shape
@@ -285,8 +292,6 @@ def attn_qk_int8_pv_fp8_sm90(
     k_desc = TensorDescriptor.from_tensor(x.k_hat.view(b * hkv * nk_pad, d), [block_n, d], k_layout)
     vt_desc = TensorDescriptor.from_tensor(x.v_hat_t.view(b * hkv * d, nk_pad), [d, block_n], v_layout)
     ks_desc = TensorDescriptor.from_tensor(x.k_scale.view(-1), [block_n], vec_layout)
-    maxnreg = MAXNREG[d]
-    options = dict(num_warps=4, maxnreg=maxnreg) if maxnreg else dict(num_warps=4)
     _LAUNCH(
         (cdiv(nq, BLOCK_M), b * h),
         (x.q_hat, k_desc, vt_desc, ks_desc, x.q_scale, x.k_scale, x.v_scale, x.v_mean, o, lse,
@@ -294,6 +299,6 @@ def attn_qk_int8_pv_fp8_sm90(
          nq, nk, nk_pad, h, h // hkv, scale * LOG2E),
         dict(HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=is_causal, SMOOTH_V=x.v_mean.numel() > 0,
              RETURN_LSE=return_lse, TOKEN_SCALES=qk_granularity == "token", PV_INT8=pv_int8),
-        **options,
+        **compile_options(d, qk_granularity == "token"),
     )
     return o, lse

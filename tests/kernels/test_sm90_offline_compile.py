@@ -41,10 +41,7 @@ def _compile(head_dim: int, causal: bool, int8_flash: bool):
                                                   for n in names},
                             constexprs={(names.index(k),): v for k, v in constexprs.items()},
                             attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    options = {"num_warps": 4}
-    if owg.MAXNREG[head_dim]:
-        options["maxnreg"] = owg.MAXNREG[head_dim]
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=owg.compile_options(head_dim, int8_flash))
 
 
 @pytest.mark.parametrize("head_dim, causal, int8_flash", [(128, False, False), (128, True, False), (64, False, False),
