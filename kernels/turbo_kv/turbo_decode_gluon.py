@@ -739,6 +739,13 @@ def default_num_splits(batch: int, kv_heads: int, n_blocks: int, device: torch.d
 _PLANS = LaunchPlans(_turbo_decode_gluon)  # later calls of a shape go to the compiled kernel's launcher
 
 
+def launch_constexprs(group: int, qk_qmax: int, pv_qmax: int, splits: int, regular: bool) -> dict:
+    """The kernel's constexprs for a launch over ``splits`` splits of KV heads with ``group`` query heads each
+    (``regular``: the heads consecutive, their codes evenly spaced)."""
+    return dict(GROUP=group, G_PAD=next_pow2(group), QMAX=qk_qmax, PMAX=pv_qmax, SPLITS_PAD=next_pow2(splits),
+                STAGES=STAGES, EXACT=splits == 1, REGULAR=regular)
+
+
 def launch(q, heads, meta, steps, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zint, v_bscale, k_buf, k_buf_scale,
            v_buf, v_buf_scale, nb: int, out, workspace, sm_scale: float, qk_qmax: int, pv_qmax: int,
            num_splits: int) -> None:
@@ -767,7 +774,5 @@ def launch(q, heads, meta, steps, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zi
             out, out.stride(0), out.stride(1),
             m_part, l_part, acc_part, counters,
             t, nb, hkv, len(heads), per_split, splits, sm_scale, heads[0], *(steps or (0, 0)))
-    # one split follows the reference's roundings; several draw P̂ per split anyway: FMA contraction allowed
-    consts = dict(GROUP=group, G_PAD=next_pow2(group), QMAX=qk_qmax, PMAX=pv_qmax, SPLITS_PAD=next_pow2(splits),
-                  STAGES=STAGES, EXACT=splits == 1, REGULAR=steps is not None)
-    _PLANS((splits, b * len(heads)), args, consts, num_warps=1, enable_fp_fusion=splits > 1)
+    _PLANS((splits, b * len(heads)), args, launch_constexprs(group, qk_qmax, pv_qmax, splits, steps is not None),
+           num_warps=1, enable_fp_fusion=splits > 1)  # one split follows the reference's roundings: no FMA contraction

@@ -1,0 +1,114 @@
+"""The Gluon kernels compile for sm_90 on any machine.
+
+Gluon has no interpreter, so these kernels' numerics are tested on the GPU only (``test_attn_sm90.py``,
+``test_turbo_decode_gluon.py``). Triton's compiler and ``ptxas`` need no GPU, though: this builds them for sm_90 as
+their launchers do, in a process without ``TRITON_INTERPRET``, and checks each binary holds the tensor-core
+instructions of its numerics and fits the shared memory that lets its programs share an SM:
+
+* the one-warpgroup attention kernel: head_dim 64 and 128, causal or not, sage2 and int8-flash operands, the
+  launcher's register cap;
+* the TurboAttention decode kernel: one split (the reference's roundings) and several (the merge).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+gluon = pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+owg = pytest.importorskip("quantpatch.kernels.attention.one_warpgroup_gluon", reason="the sm_90 kernel needs Gluon")
+tdg = pytest.importorskip("quantpatch.kernels.turbo_kv.turbo_decode_gluon", reason="the decode kernel needs Gluon")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from quantpatch.modes import get_mode  # noqa: E402
+
+gl = gluon.language
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK_N = 128
+SM90_SHARED_BYTES = 227 * 1024  # per SM, for thread blocks
+
+
+def _sm90(kernel, types: dict, constexprs: dict, aligned: list, options: dict):
+    """``kernel`` compiled for sm_90: arguments typed by ``types`` (else ``i32``) or fixed by ``constexprs``, the
+    ``aligned`` ones divisible by 16 (as Triton specializes them at a launch)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = kernel.arg_names
+    source = GluonASTSource(fn=kernel, signature={n: "constexpr" if n in constexprs else types.get(n, "i32")
+                                                  for n in names},
+                            constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                            attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _attention(head_dim: int, causal: bool, int8_flash: bool):
+    kernel = owg._attn_sm90_kernel
+    k_layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim), element_bitwidth=8, rank=2)
+    v_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    vec_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    types = dict(Q_ptr="*i8", QS_ptr="*fp32", KS_ptr="*fp32", VS_ptr="*fp32", VM_ptr="*fp32", O_ptr="*bf16",
+                 LSE_ptr="*fp32", stride_ob="i64", stride_oh="i64", stride_om="i64", qk_scale="fp32",
+                 k_desc=f"tensordesc<i8[{BLOCK_N}, {head_dim}],{k_layout!r}>",
+                 vt_desc=f"tensordesc<{'i8' if int8_flash else 'fp8e4nv'}[{head_dim}, {BLOCK_N}],{v_layout!r}>",
+                 ks_desc=f"tensordesc<fp32[{BLOCK_N}],{vec_layout!r}>")
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=owg.DEFAULT_STAGES, CAUSAL=causal, SMOOTH_V=False,
+                      RETURN_LSE=True, TOKEN_SCALES=int8_flash, PV_INT8=int8_flash)
+    aligned = [n for n in kernel.arg_names if n.endswith("_ptr")] + ["stride_ob", "stride_oh", "stride_om", "NK_PAD"]
+    return _sm90(kernel, types, constexprs, aligned, owg.compile_options(head_dim, int8_flash))
+
+
+def _turbo_decode(splits: int):
+    kernel = tdg._turbo_decode_gluon
+    types = dict(Q_ptr="*bf16", KC_ptr="*u8", KS_ptr="*i8", KZ_ptr="*i8", KBS_ptr="*fp32", VC_ptr="*u8", VS_ptr="*i8",
+                 VZ_ptr="*i8", VBS_ptr="*fp32", KB_ptr="*i8", KBSC_ptr="*fp32", VB_ptr="*i8", VBSC_ptr="*fp32",
+                 META_ptr="*i32", O_ptr="*bf16", MP_ptr="*fp32", LP_ptr="*fp32", ACC_ptr="*fp32", CNT_ptr="*i32",
+                 sm_scale="fp32")
+    cfg = get_mode("turbo").attention
+    constexprs = tdg.launch_constexprs(4, cfg.qk_qmax, cfg.pv_qmax, splits, True)  # Llama-8B: 4 query heads a KV head
+    aligned = [n for n in kernel.arg_names if n.endswith("_ptr") or n.startswith("stride") or n in ("K_STEP", "V_STEP")]
+    return _sm90(kernel, types, constexprs, aligned, dict(num_warps=1, enable_fp_fusion=splits > 1))
+
+
+def _mma_shapes(compiled) -> list[str]:
+    return sorted({line.split()[0].rsplit(".aligned.", 1)[-1] for line in compiled.asm["ptx"].splitlines()
+                   if "mma" in line and ".aligned." in line and not line.lstrip().startswith("//")})
+
+
+def build(kernel: str, *args) -> dict:
+    """The compiled kernel's tensor-core instruction shapes and shared memory (run where ``TRITON_INTERPRET`` is unset:
+    in the interpreter Triton's own jit helpers are interpreted functions, which a Gluon compile cannot inline)."""
+    compiled = {"attention": _attention, "turbo_decode": _turbo_decode}[kernel](*args)
+    return {"mma": _mma_shapes(compiled), "shared": compiled.metadata.shared}
+
+
+def _built(kernel: str, *args) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (f"import json; from tests.kernels.test_gluon_offline_compile import build; "
+            f"print(json.dumps(build({kernel!r}, {', '.join(map(repr, args))})))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode and "ptxas" in done.stderr:
+        pytest.skip(f"no ptxas in this Triton: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("head_dim, causal, int8_flash", [(128, False, False), (128, True, False), (64, False, False),
+                                                          (64, True, True)])
+def test_attention_kernel_builds_for_sm90(head_dim, causal, int8_flash):
+    result = _built("attention", head_dim, causal, int8_flash)
+    pv = f"m64n{head_dim}k32." + ("s32.s8.s8" if int8_flash else "f32.e4m3.e4m3")
+    # Q̂·K̂ᵀ on INT8 tensor cores, P̂·V̂ on the mode's (wgmma)
+    assert set(result["mma"]) == {f"m64n{BLOCK_N}k32.s32.s8.s8", pv}, result["mma"]
+    assert SM90_SHARED_BYTES // result["shared"] >= (3 if head_dim == 128 else 4), result["shared"]
+
+
+@pytest.mark.parametrize("splits", [1, 8])
+def test_turbo_decode_kernel_builds_for_sm90(splits):
+    result = _built("turbo_decode", splits)
+    assert result["mma"] and all(shape.startswith("m16n8k16.") for shape in result["mma"]), result["mma"]  # mma.sync
+    assert SM90_SHARED_BYTES // result["shared"] >= tdg.PROGRAMS_PER_SM, result["shared"]
