@@ -36,10 +36,14 @@ def kv_head_range(model: Any, kv_heads: int) -> range:
     return range(rank * per_rank, (rank + 1) * per_rank)
 
 
+def kv_head_count(text_config: Any) -> int:
+    """The KV heads of a (text) model config: ``num_key_value_heads``, else one per attention head."""
+    return getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+
+
 def rank_kv_heads(model: Any) -> slice:
     """The slice of per-KV-head data (e.g. FireQ's CRS factors) this rank's attention calls hold: all without TP."""
     if tp_degree(model) == 1:
         return slice(None)
-    config = model.config.get_text_config(decoder=True)
-    heads = kv_head_range(model, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    heads = kv_head_range(model, kv_head_count(model.config.get_text_config(decoder=True)))
     return slice(heads.start, heads.stop)

@@ -48,7 +48,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -59,6 +59,7 @@ from quantpatch.dispatch import (
     TURBO_COMPRESS_MODULE,
     TURBO_DECODE_MODULE,
     Implementation,
+    OpCall,
     Quiet,
     on_kernels_import,
     preload_kernels,
@@ -79,7 +80,7 @@ from quantpatch.kernels.turbo_kv.turbo_ref import (
     turbo_compress_kv_ref,
     turbo_decompress_kv_ref,
 )
-from quantpatch.patches.transformers.tensor_parallel import kv_head_range
+from quantpatch.patches.transformers.tensor_parallel import kv_head_count, kv_head_range
 
 logger = logging.getLogger("quantpatch")
 
@@ -113,9 +114,8 @@ class ModelKVShape:
         config = config.get_text_config(decoder=True)
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError("TurboCache supports decoder-only models; got an encoder-decoder config")
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = kv_head_count(config)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         name = getattr(config, "_name_or_path", "") or type(model).__name__
         layer_types = getattr(config, "layer_types", None)
         if layer_types is None:  # older configs: one sliding window for every layer
@@ -391,11 +391,12 @@ class TurboLayer(CacheLayerMixin):
 
 
 @dataclass(frozen=True)
-class TurboCompressCall:
+class TurboCompressCall(OpCall):
     """K or V states ``x (B, Hkv, n, D)`` into a layer's cache at ``bits`` per KV head: the prompt (``blocks`` None;
     full blocks of ``block`` tokens, the tail into an INT8 buffer of universal scale ``buffer_scale (B, Hkv, 1, 1)``)
     or decode tokens appended to ``blocks`` / ``buffer``."""
 
+    LEAD: ClassVar[str] = "x"
     x: torch.Tensor
     bits: tuple[int, ...]
     block: int
@@ -403,14 +404,6 @@ class TurboCompressCall:
     blocks: CompressedKV | None = None
     buffer: Int8Buffer | None = None
     buffer_scale: torch.Tensor | None = None
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.x.is_cuda
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
 
 
 def _compressed_with(call: TurboCompressCall, compress_blocks: Callable | None = None,
@@ -603,10 +596,11 @@ def cache_attention_config(cfg: AttentionConfig | None, block: int) -> Attention
 
 
 @dataclass(frozen=True)
-class TurboDecodeCall:
+class TurboDecodeCall(OpCall):
     """``query (B, H, Nq, D)`` over ``layer``'s compressed K/V (:func:`turbo_cache_attention`'s arguments, ``cfg``
     checked); ``use_kernel`` False: the reference only."""
 
+    LEAD: ClassVar[str] = "query"
     query: torch.Tensor
     layer: TurboLayer
     cfg: AttentionConfig
@@ -614,14 +608,6 @@ class TurboDecodeCall:
     is_causal: bool
     scale: float | None
     use_kernel: bool
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.query.is_cuda
-
-    @property
-    def device(self) -> torch.device:
-        return self.query.device
 
 
 def _decode_reference(call: TurboDecodeCall) -> torch.Tensor:

@@ -8,7 +8,7 @@ An :class:`Implementation` has a name, a priority and ``unsupported(call)``: why
 declined; :func:`run_op` runs it and reports the declines (one warning per reason, the handle's report).
 
 A call is a small frozen dataclass (:class:`AttentionCall`, :class:`LinearCall`; ``TurboCompressCall`` and
-``TurboDecodeCall`` beside the TurboCache) with ``is_cuda`` and ``device`` properties:
+``TurboDecodeCall`` beside the TurboCache) with the ``is_cuda`` and ``device`` of its lead tensor (:class:`OpCall`):
 the first CUDA call imports the op's GPU kernel module (:data:`KERNEL_MODULES`), and every implementation runs with
 the call's device current (:func:`run_on_device`). The pure-PyTorch reference of
 each op registers at priority 0 (attention's here, the others where their op lives); the GPU kernels register when
@@ -22,7 +22,7 @@ import importlib
 import sys
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -43,9 +43,25 @@ OPS: dict[str, tuple[str, ...]] = {
 }
 
 
+class OpCall:
+    """What every call shares: ``is_cuda`` and ``device`` are those of its tensor field named ``LEAD``."""
+
+    LEAD: ClassVar[str]
+
+    @property
+    def is_cuda(self) -> bool:
+        return getattr(self, self.LEAD).is_cuda
+
+    @property
+    def device(self) -> torch.device:
+        return getattr(self, self.LEAD).device
+
+
 @dataclass(frozen=True)
-class AttentionCall:
+class AttentionCall(OpCall):
     """A validated call in ``(B, H, S, D)`` layout."""
+
+    LEAD: ClassVar[str] = "q"
 
     q: torch.Tensor
     k: torch.Tensor
@@ -56,29 +72,14 @@ class AttentionCall:
     attn_mask: torch.Tensor | None
     return_lse: bool
 
-    @property
-    def is_cuda(self) -> bool:
-        return self.q.is_cuda
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
-
 
 @dataclass(frozen=True)
-class LinearCall:
+class LinearCall(OpCall):
     """``x (..., K)`` through a quantized linear ``layer`` (ops ``w4a8_linear``, ``fp8_linear``)."""
 
+    LEAD: ClassVar[str] = "x"
     x: torch.Tensor
     layer: torch.nn.Module
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.x.is_cuda
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
 
 
 @dataclass(frozen=True)
