@@ -19,7 +19,7 @@ from typing import Any
 from quantpatch.config import KVCacheConfig, ModeConfig
 from quantpatch.modes import get_mode
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("quantpatch")
 
 HEAD_PRECISION_VERSION = 2  # 2: the free-text list is ``remarks``
 RANKINGS = ("joint", "separate")

@@ -197,7 +197,7 @@ def test_head_precision_reads_a_version_1_record_dropping_its_renamed_free_text_
     dropped field."""
     hp = HeadPrecision([[4, 2]], [[2, 4]], remarks=("seed 3",))
     old = {k: v for k, v in hp.to_dict().items() if k != "remarks"} | {"version": 1, "old_free_text": ["seed 3"]}
-    with caplog.at_level("WARNING", logger="quantpatch.head_precision"):
+    with caplog.at_level("WARNING", logger="quantpatch"):
         loaded = HeadPrecision.from_dict(old)
     assert loaded.version == 2 and loaded.k_bits == hp.k_bits and loaded.remarks == ()
     assert "old_free_text" in caplog.text
