@@ -265,12 +265,20 @@ def _softmax_block(s_int, scale7, ds_smem, ks_smem, qk_scale, key0, m_i, l_i, la
     else:
         p_hat = p.to(gl.float8e4nv)
         l_i = l_i * alpha + gl.sum(p, 1)
+    return _pv_operand(p_hat, p_op), alpha, m_new, l_i
+
+
+@gluon.jit
+def _pv_operand(p_hat, p_op: gl.constexpr):
+    """P̂ ``(rows, BLOCK_N)`` (8-bit, score accumulator layout) as the register A operand ``p_op`` of P̂·V."""
     # within each 32 keys, key k of the 8-bit A operand is the accumulator's column 16k₄+8k₁+4k₃+2k₂+k₀: this
     # reordering costs no data movement (the registers are already where the operand wants them), and Vᵀ's
     # keys are stored in the same order (wgmma_key_order), so P̂·V sums the same products
-    p8 = gl.reshape(p_hat, [p.shape[0], BLOCK_N // 32, 2, 2, 2, 2, 2])
-    p8 = gl.reshape(gl.permute(p8, [0, 1, 2, 4, 5, 3, 6]), [p.shape[0], BLOCK_N])
-    return gl.convert_layout(p8, p_op), alpha, m_new, l_i
+    rows: gl.constexpr = p_hat.shape[0]
+    cols: gl.constexpr = p_hat.shape[1]
+    p8 = gl.reshape(p_hat, [rows, cols // 32, 2, 2, 2, 2, 2])
+    p8 = gl.reshape(gl.permute(p8, [0, 1, 2, 4, 5, 3, 6]), [rows, cols])
+    return gl.convert_layout(p8, p_op)
 
 
 @gluon.jit
