@@ -109,6 +109,9 @@ def _softmax_lane_scaled(s_int, scale7, qk_scale, key0, m_i, l_i, last_key, BLOC
     if MASKED:
         keys = key0 + gl.arange(0, BLOCK_N, layout=col_s)
         s = gl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
+        # a span of padding keys has δK = 0, and −inf · 0 is NaN: the smallest normal scale keeps masked keys at −inf
+        # (a valid key under δK = 0 has a zero product either way)
+        scale7 = gl.maximum(scale7, 1.1754943508222875e-38)
     s7 = gl.reshape(s, _lane_scale_shape(BLOCK_N))  # (warp, row half, lane row, span, key reg, lane group, key bit)
     lane_scale = gl.max(gl.max(scale7, 6), 4)  # the size-1 dims dropped: (4, 1, 8, spans, 4)
     span_max = gl.max(gl.max(s7, 6), 4) * lane_scale  # (4, 2, 8, spans, 4): registers only

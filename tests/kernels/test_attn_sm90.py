@@ -16,8 +16,9 @@ from quantpatch.synthetic import attention_inputs
 from tests.gpu import hopper, needs_cuda
 from tests.kernels.test_attention_gluon import assert_as_accurate_as_triton
 
-SHAPES = [(1, 1), (113, 203), (239, 239), (1000, 1000), (203, 4096)]
-CAUSAL_SHAPES = [(1, 1), (113, 203), (239, 113), (1000, 1000), (203, 4096)]  # (239, 113): rows that see no key
+# (64, 4100): 4 keys in the last block, a 64-key span of padding keys; causal (239, 113): rows that see no key
+SHAPES = [(1, 1), (113, 203), (239, 239), (1000, 1000), (203, 4096), (64, 4100)]
+CAUSAL_SHAPES = [(1, 1), (113, 203), (239, 113), (1000, 1000), (203, 4096), (64, 4100)]
 
 
 def _operands(nq, nk, head_dim, mode, seed):
