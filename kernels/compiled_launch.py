@@ -21,16 +21,20 @@ from triton import knobs
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 
+# Read once, at import: Triton itself reads TRITON_INTERPRET when a ``@triton.jit`` kernel is defined, so a later
+# change of the variable changes neither (and a launcher does not pay an environment lookup per call).
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 
 def interpreting() -> bool:
-    """True under the Triton CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True under the Triton CPU interpreter (``TRITON_INTERPRET=1`` when this module was imported)."""
+    return _INTERPRETING
 
 
 def specialization(args: tuple) -> tuple:
     """What ``JITFunction.run`` specializes a kernel on for these runtime (non-constexpr) arguments: each one's type
     and 16-byte divisibility / alignment, and ints equal to 1 (which become constants)."""
-    return tuple(native_specialize_impl(BaseBackend, a, False, True, True) for a in args)
+    return tuple([native_specialize_impl(BaseBackend, a, False, True, True) for a in args])
 
 
 def cdiv(a: int, b: int) -> int:
@@ -80,16 +84,23 @@ class LaunchPlans:
     def clear(self) -> None:
         self._plans.clear()
 
-    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, **options) -> None:
+    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, *, plan_key: tuple | None = None,
+                 **options) -> None:
         """Launch on ``grid`` (1 to 3 dims) and the current stream of ``args[0]``'s device. ``args``: the kernel's
         runtime parameters, in signature order, first a tensor; ``constexprs``: the parameters after them, by name
-        in signature order (checked on a plan's first launch); ``options``: ``num_warps``, ``num_stages``, ..."""
-        if interpreting():
+        in signature order (checked on a plan's first launch); ``options``: ``num_warps``, ``num_stages``, ...
+
+        ``plan_key`` stands in for :func:`specialization` of ``args`` (one tuple hashed, not every argument
+        inspected) where the caller knows it determines that: the shapes, strides, dtypes and 16-byte alignment of
+        the caller's input tensors and whatever else its int arguments derive from, every other tensor argument
+        allocated by the caller in the same way for the same key (the CUDA caching allocator aligns each allocation
+        to 512 bytes, so their alignment follows from the key too)."""
+        if _INTERPRETING:
             self.kernel[grid](*args, **constexprs, **options)
             return
         device = args[0].device.index
         consts = tuple(constexprs.values())
-        key = (device, consts, tuple(options.items()), specialization(args))
+        key = (device, consts, tuple(options.items()), specialization(args) if plan_key is None else plan_key)
         compiled = self._plans.get(key)
         if compiled is not None:
             relaunch(compiled, tuple(grid) + (1,) * (3 - len(grid)), current_stream(device), args + consts)

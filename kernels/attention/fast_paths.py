@@ -117,11 +117,24 @@ def config_unsupported(cfg: AttentionConfig) -> str | None:
     return None
 
 
+_DEVICE_REASONS: dict[tuple[torch.device, bool], str | None] = {}
+
+
+def _device_unsupported(q: torch.Tensor, fp8: bool) -> str | None:
+    """Why ``q``'s device cannot run the kernels (with FP8 operands: sm_89+, else sm_80+); asked once per device,
+    not on every call (a device's capability is a query of the driver)."""
+    key = (q.device, fp8)
+    if key not in _DEVICE_REASONS:
+        _DEVICE_REASONS[key] = (cuda_unsupported(q, (8, 9), "FP8 operands") if fp8
+                                else cuda_unsupported(q, (8, 0), "INT8 operands"))
+    return _DEVICE_REASONS[key]
+
+
 def call_unsupported(call) -> str | None:
     """Why the Triton path cannot take ``call`` (a :class:`quantpatch.dispatch.AttentionCall`; None if it can)."""
     q, k, v, cfg = call.q, call.k, call.v, call.config
     fp8 = cfg.qk_format in FP8_OPERANDS or cfg.pv_format in FP8_OPERANDS
-    reason = cuda_unsupported(q, (8, 9), "FP8 operands") if fp8 else cuda_unsupported(q, (8, 0), "INT8 operands")
+    reason = _device_unsupported(q, fp8)
     if reason:
         return reason
     if q.dtype not in (torch.float16, torch.bfloat16):

@@ -543,6 +543,10 @@ def quantize_qkv(
     nkb = nk_pad // block_k
     emulate = interpreting()
     empty = torch.empty(0, **f32)
+    # what the three launches' specialization follows from (LaunchPlans' plan_key): every int argument derives from
+    # the inputs' shapes and strides, pad_to and the constexprs; every other tensor is allocated here
+    plan_key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), q.dtype, pad_to, q.data_ptr() % 16 == 0,
+                k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0)
 
     need_vsum = smooth_v
     need_vminmax = v_mode == V_CHANNEL
@@ -559,7 +563,7 @@ def quantize_qkv(
     nchunk = cdiv(nk, STATS_TILE * STATS_TILES)
     part = max(b * hkv * nchunk * d, 1)
     wanted = (smooth_k, need_vsum, need_vminmax, need_vminmax)  # the chunks' partials, in one allocation
-    parts = iter(torch.empty(sum(wanted) * part, **f32).split(part))
+    parts = iter(torch.empty((sum(wanted), part), **f32).unbind(0))  # rows: Tensor.split's Python costs host time
     ksum, vsum, vmax, vmin = (next(parts) if w else empty for w in wanted)
     vabs = torch.zeros(1, **f32) if need_vabs else empty
     finalize = smooth_k or smooth_v or need_vminmax
@@ -585,7 +589,7 @@ def quantize_qkv(
              QK_FMT=qk_fmt, SMOOTH_Q=smooth_q, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v,
              V_CHANNEL=need_vminmax, V_ABS=need_vabs, V_QMAX=v_max, FINALIZE=finalize,
              TILE=STATS_TILE, TILES=STATS_TILES, RTILE=32, EMULATE=emulate),
-        num_warps=Q_STATS_WARPS,
+        plan_key=plan_key, num_warps=Q_STATS_WARPS,
     )
 
     # launch 2: ΔS_raw = q̄ · Kᵀ on the raw K (needs q̄ only)
@@ -598,7 +602,7 @@ def quantize_qkv(
             (k, q_mean, delta_s, k.stride(0), k.stride(1), k.stride(2), nk, nk_pad, hkv, h // hkv, nqb, nk - nq),
             dict(HEAD_DIM=d, BLOCK_N=ds_block, QB_TILE=qb_tile, Q_BLOCK=block_q, K_BF16=k.dtype == torch.bfloat16,
                  CAUSAL=is_causal, EMULATE=emulate),
-            num_warps=DS_TUNING["num_warps"], num_stages=DS_TUNING["num_stages"],
+            plan_key=plan_key, num_warps=DS_TUNING["num_warps"], num_stages=DS_TUNING["num_stages"],
         )
 
     # launch 3: K and V (needs the statistics of launch 1)
@@ -612,7 +616,7 @@ def quantize_qkv(
          nk, nk_pad, hkv, nkb),
         dict(HEAD_DIM=d, BLOCK=block_k, GRAN=GRAN_IDS[qk_granularity], QMAX=q_max, K_FMT=qk_fmt, SMOOTH_K=smooth_k,
              V_MODE=v_mode, V_FMT=v_fmt, V_QMAX=v_max, SMOOTH_V=smooth_v, V_KEY_ORDER=v_key_order, EMULATE=emulate),
-        num_warps=4,
+        plan_key=plan_key, num_warps=4,
     )
     return QuantizedQKV(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean)
 

@@ -52,6 +52,17 @@ def _fp8_quantize_rows_kernel(
 
 
 _LAUNCH = LaunchPlans(_fp8_quantize_rows_kernel)
+_TILES: dict[int, tuple[dict, int]] = {}  # K → (constexprs, num_warps): decided once per row length
+
+
+def _tile(k: int) -> tuple[dict, int]:
+    """The constexprs and warps of a ``K``-channel row: ``BLOCK_K`` up to ``ROW_BLOCK``, a warp per 256 channels
+    (1 to 8)."""
+    tile = _TILES.get(k)
+    if tile is None:
+        block_k = min(ROW_BLOCK, next_pow2(max(k, 16)))
+        tile = _TILES[k] = (dict(BLOCK_K=block_k, EMULATE=interpreting()), max(1, min(8, block_k // 256)))
+    return tile
 
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,9 +81,8 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((m, k), device=x.device, dtype=torch.float8_e4m3fn)
     scale = torch.empty((m, 1), device=x.device, dtype=torch.float32)
     if m and k:
-        block_k = min(ROW_BLOCK, next_pow2(max(k, 16)))
-        _LAUNCH((m,), (x, q, scale, k, x.stride(0), q.stride(0)),
-                dict(BLOCK_K=block_k, EMULATE=interpreting()), num_warps=max(1, min(8, block_k // 256)))
+        constexprs, warps = _tile(k)
+        _LAUNCH((m,), (x, q, scale, k, x.stride(0), q.stride(0)), constexprs, num_warps=warps)
     elif m:
         scale.fill_(1.0)  # no channels: absmax 0
     return q, scale

@@ -125,7 +125,7 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale
 def _gpu_unsupported(call: LinearCall) -> str | None:
     """Why the GPU path cannot take ``call``: a reason to warn about on a CUDA device; :class:`Quiet` off CUDA (the
     reference is that device's path) and for an empty input."""
-    x, bias = call.x, call.layer.bias
+    x, bias = call.x, call.layer._buffers["bias"]  # the buffer dict: nn.Module.__getattr__ costs host time a call
     reason = scaled_mm_unsupported(x.device, x.dtype, bias is not None)
     if reason is None and bias is not None and bias.dtype != x.dtype:
         reason = f"bias dtype {bias.dtype} differs from the input dtype {x.dtype}"
@@ -136,9 +136,10 @@ def _gpu_unsupported(call: LinearCall) -> str | None:
 
 def _gpu_run(call: LinearCall) -> torch.Tensor:
     x, layer = call.x, call.layer
+    buffers = layer._buffers
     x2 = x.reshape(-1, layer.in_features)
-    return fp8_linear_scaled_mm(x2 if x2.stride(-1) == 1 else x2.contiguous(), layer.weight_fp8, layer.weight_scale,
-                                layer.bias).view(*x.shape[:-1], layer.out_features)
+    return fp8_linear_scaled_mm(x2 if x2.stride(-1) == 1 else x2.contiguous(), buffers["weight_fp8"],
+                                buffers["weight_scale"], buffers["bias"]).view(*x.shape[:-1], layer.out_features)
 
 
 def _reference(call: LinearCall) -> torch.Tensor:
@@ -178,6 +179,7 @@ class FP8Linear(nn.Module):
                  device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.what = f"FP8Linear({in_features}->{out_features})"  # how warnings and errors name the layer
         self.site: SiteRecord | None = None  # the report entry whose routes each call counts
         # the replaced layer (a tuple: not a submodule): the model's later .to() / casts reach it (_apply), so the
         # handle restores it where the model then is; under policy "speed" (speed_policy) short calls run it
@@ -213,8 +215,7 @@ class FP8Linear(nn.Module):
                 if self.site is not None:
                     self.site.count(ORIGINAL_LINEAR_ROUTE + why)
                 return self.original[0](x)
-        return run_op(OP, KEY, LinearCall(x, self), what=f"FP8Linear({self.in_features}->{self.out_features})",
-                      record=self.site)
+        return run_op(OP, KEY, LinearCall(x, self), what=self.what, record=self.site)
 
     def _apply(self, fn, recurse=True):
         # ``model.to(torch.bfloat16)`` casts every floating buffer, FP8 ones included; the e4m3 weight and

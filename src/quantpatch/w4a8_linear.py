@@ -57,7 +57,8 @@ def _register_kernels(kernels: ModuleType) -> None:
 
     def run(call: LinearCall) -> torch.Tensor:
         x, layer = call.x, call.layer
-        y = kernels.w4a8_linear(x, layer.qweight, layer.scales, layer.pts_exp, layer.bias)
+        buffers = layer._buffers  # the buffer dict: nn.Module.__getattr__ costs host time a call
+        y = kernels.w4a8_linear(x, buffers["qweight"], buffers["scales"], buffers["pts_exp"], buffers["bias"])
         # asked after the call: a Gluon kernel that failed to compile has switched this device to Triton
         gluon = kernels.uses_gluon(math.prod(x.shape[:-1]), layer.out_features, layer.in_features, x.device)
         note_implementation("gluon" if gluon else "triton")
@@ -87,7 +88,7 @@ on_kernels_import(W4A8_KERNELS_MODULE, _register_kernels)
 
 def w4a8_matmul(x: torch.Tensor, module: W4A8Linear) -> torch.Tensor:
     """``module``'s product on ``x (..., K)`` → ``(..., O)``: the best implementation that takes it."""
-    return run_op(OP, KEY, LinearCall(x, module), what=f"W4A8Linear({module.in_features}->{module.out_features})")
+    return run_op(OP, KEY, LinearCall(x, module), what=module.what)
 
 
 class W4A8Linear(nn.Module):
@@ -122,6 +123,7 @@ class W4A8Linear(nn.Module):
         if group_size <= 0 or group_size % 2:
             raise ValueError(f"group_size must be a positive even int, got {group_size}")
         self.in_features, self.out_features = in_features, out_features
+        self.what = f"W4A8Linear({in_features}->{out_features})"  # how warnings and errors name the layer
         self.group_size, self.weight_operand = group_size, weight_operand
         self.compute_dtype = torch.float32  # FireQ accumulates in FP32
         # The reference path may keep the unpacked INT4 values (4 bytes each, not counted in

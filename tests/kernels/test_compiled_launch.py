@@ -50,7 +50,7 @@ class _RecordingKernel:
 def test_launch_plans_compile_once_a_key_then_relaunch(monkeypatch):
     from quantpatch.kernels import compiled_launch
 
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(compiled_launch, "_INTERPRETING", False)
     relaunched = []
     monkeypatch.setattr(compiled_launch, "relaunch", lambda k, grid, stream, args: relaunched.append((k, grid, args)))
     monkeypatch.setattr(compiled_launch, "current_stream", lambda device: 7)
@@ -75,9 +75,28 @@ def test_launch_plans_compile_once_a_key_then_relaunch(monkeypatch):
 def test_launch_plans_keep_nothing_under_the_interpreter(monkeypatch):
     from quantpatch.kernels import compiled_launch
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(compiled_launch, "_INTERPRETING", True)
     kernel = _RecordingKernel()
     plans = compiled_launch.LaunchPlans(kernel)
     for _ in range(2):
         plans((1,), (torch.zeros(4), 3), dict(BLOCK=16, FLAG=False))
     assert len(kernel.runs) == 2 and len(plans) == 0
+
+
+def test_a_plan_key_stands_in_for_the_arguments_specialization(monkeypatch):
+    from quantpatch.kernels import compiled_launch
+
+    monkeypatch.setattr(compiled_launch, "_INTERPRETING", False)
+    relaunched = []
+    monkeypatch.setattr(compiled_launch, "relaunch", lambda k, grid, stream, args: relaunched.append(args))
+    monkeypatch.setattr(compiled_launch, "current_stream", lambda device: 7)
+    kernel = _RecordingKernel()
+    plans = compiled_launch.LaunchPlans(kernel)
+    x = torch.zeros(64)
+    plans((2,), (x, 32), dict(BLOCK=16, FLAG=True), plan_key=("shape", 32), num_warps=4)
+    monkeypatch.setattr(compiled_launch, "specialization", lambda args: pytest.fail("specialized a keyed launch"))
+    plans((2,), (x, 48), dict(BLOCK=16, FLAG=True), plan_key=("shape", 32), num_warps=4)
+    assert len(kernel.runs) == 1 and relaunched == [(x, 48, 16, True)]
+    plans((2,), (x, 48), dict(BLOCK=16, FLAG=True), plan_key=("shape", 48), num_warps=4)  # another key: compiled
+    plans((2,), (x, 32), dict(BLOCK=32, FLAG=True), plan_key=("shape", 32), num_warps=4)  # other constexprs too
+    assert len(plans) == 3 and len(kernel.runs) == 3
