@@ -36,7 +36,7 @@ from .turbo_ref import TURBO_BLOCK, TURBO_QMAX, CompressedKV, per_head_bits
 KERNEL_BITS = (2, 4)  # code widths the kernels take (8-bit codes stay on the reference)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # T blocks: 1 in decode, many at prefill; one compiled variant for both
 def _turbo_compress_kernel(
     X_ptr, stride_xb, stride_xh, stride_xn,
     C_ptr, stride_cb, stride_ch, stride_cn,

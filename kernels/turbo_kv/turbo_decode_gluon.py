@@ -67,6 +67,7 @@ PARTS = gl.constexpr(BLOCK.value // PART.value)
 PROGRAMS_PER_SM = 8  # one warp each at ≤ 255 registers: 8 fit an SM
 STAGES = 2  # copy groups in shared memory: the one computed and STAGES − 1 on their way
 MAX_SPLITS = 64  # the merge reads every split's partial in one program
+SPLITS_PAD = MAX_SPLITS  # the merge's row count whatever the split count: a longer context compiles no new variant
 MERGE_ROWS = gl.constexpr(32)  # (split, row) partials merged at a time: 128 fp32 a lane
 
 _N_R, _NEG_LOG2E = gl.constexpr(SAS_THRESHOLD), gl.constexpr(-LOG2E)
@@ -275,7 +276,12 @@ def _quantize_p(p, PMAX: gl.constexpr, EXACT: gl.constexpr, PAIR: gl.constexpr):
 # --------------------------------------------------------------------------- kernel
 
 
-@gluon.jit
+# the arguments that change as a generation grows (blocks, buffered tokens, the split of them): not specialized, so
+# no decode step compiles a variant of the kernel (Triton specializes an int on == 1 and % 16 == 0)
+GROWING_ARGS = ["T", "NB", "BLOCKS_PER_SPLIT", "NUM_SPLITS"]
+
+
+@gluon.jit(do_not_specialize=GROWING_ARGS)
 def _turbo_decode_gluon(
     Q_ptr, stride_qb, stride_qh,
     KC_ptr, stride_kcb, KS_ptr, KZ_ptr, KBS_ptr,
@@ -742,7 +748,7 @@ _PLANS = LaunchPlans(_turbo_decode_gluon)  # later calls of a shape go to the co
 def launch_constexprs(group: int, qk_qmax: int, pv_qmax: int, splits: int, regular: bool) -> dict:
     """The kernel's constexprs for a launch over ``splits`` splits of KV heads with ``group`` query heads each
     (``regular``: the heads consecutive, their codes evenly spaced)."""
-    return dict(GROUP=group, G_PAD=next_pow2(group), QMAX=qk_qmax, PMAX=pv_qmax, SPLITS_PAD=next_pow2(splits),
+    return dict(GROUP=group, G_PAD=next_pow2(group), QMAX=qk_qmax, PMAX=pv_qmax, SPLITS_PAD=SPLITS_PAD,
                 STAGES=STAGES, EXACT=splits == 1, REGULAR=regular)
 
 

@@ -212,3 +212,11 @@ def test_gpu_gluon_decode_launch_plan_reruns_the_compiled_kernel():
         assert plans[0] == plans[1] >= 1
         assert torch.equal(outs[0], outs[1])
         assert rel_l1(outs[0], ref) <= SINGLE_SPLIT_REL_L1
+
+
+def test_no_decode_step_compiles_a_new_variant():
+    """What grows with the generation (blocks, buffered tokens, the splits) is neither specialized nor a constexpr:
+    one compiled kernel serves every decode step of a generation (per split mode)."""
+    params = {p.name: p.do_not_specialize for p in tdg._turbo_decode_gluon.params}
+    assert all(params[name] for name in tdg.GROWING_ARGS)
+    assert tdg.SPLITS_PAD >= tdg.MAX_SPLITS and tdg.SPLITS_PAD & (tdg.SPLITS_PAD - 1) == 0
