@@ -14,6 +14,10 @@ For B=4, H=32, D ∈ {64, 128}, N ∈ {1k … 32k}, causal and not, bf16 inputs:
 * ``sageattn``: upstream SageAttention's ``sageattn`` end to end, the strongest public peer, when the
   ``sageattention`` package imports (its kernel alone is not timed: its internal launch API is not public).
 
+``--memory B H N D``: instead of timing, the peak extra GPU memory of one non-causal call from bf16 inputs at that
+shape, per mode and SDPA backend: the most allocated during the call above what was allocated before it (inputs
+excluded, the output included), in GiB; written to ``memory.csv`` and the summary.
+
 Times are ``triton.testing.do_bench`` medians (warm-up first) cycling over several input sets
 when they fit in L2; TFLOPS = 4·B·H·N²·D / t, halved for causal. Ratios are against cuDNN and
 flash of the same shape. Accuracy (CosSim, relative L1 against float64 attention) of every
@@ -206,6 +210,38 @@ def speed_rows(args) -> list[dict]:
     return rows
 
 
+def peak_extra_gib(fn: Callable[[], torch.Tensor]) -> float:
+    """Peak GPU memory allocated during ``fn()`` above what was allocated before it (its output included), GiB."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del out
+    return peak / 2**30
+
+
+def memory_rows(args) -> list[dict]:
+    import quantpatch as qp
+
+    b, h, n, d = args.memory
+    (q, k, v), = make_inputs(b, h, n, d, 1, seed=n)
+    output_gib = q.numel() * q.element_size() / 2**30
+    calls = {name: (lambda fn=sdpa_fn(name, False): fn(q, k, v)) for name in BASELINES}
+    calls |= {mode: (lambda c=mode_config(mode): qp.attention(q, k, v, mode=c, strict=True)) for mode in args.modes}
+    rows = []
+    for name, fn in calls.items():
+        fn()  # compiled and warm: the measured call allocates only what a call needs
+        gib = peak_extra_gib(fn)
+        rows.append(dict(batch=b, heads=h, seq_len=n, head_dim=d, impl=name, peak_extra_gib=gib,
+                         output_gib=output_gib))
+        print(f"memory B={b} H={h} N={n} D={d} {name:>11s} peak extra {gib:6.2f} GiB (output {output_gib:.2f} GiB)",
+              flush=True)
+    return rows
+
+
 def accuracy_rows(args) -> list[dict]:
     import quantpatch as qp
     from quantpatch.kernels.attention.attention_ref import attention_exact
@@ -320,7 +356,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def summary_md(meta: dict, speed: list[dict], acc: list[dict]) -> str:
+def summary_md(meta: dict, speed: list[dict], acc: list[dict], memory: Sequence[dict] = ()) -> str:
     lines = [f"# Attention benchmark ({meta['gpu']})", "",
              f"torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, cuDNN {meta['cudnn']}, "
              f"commit {meta['git_sha']}, {meta['date']}", "", f"Command: `{meta['command']}`", ""]
@@ -337,6 +373,11 @@ def summary_md(meta: dict, speed: list[dict], acc: list[dict]) -> str:
         for r in acc:
             lines.append(f"| {r['head_dim']} | {r['seq_len']} | {r['inputs']} | {r['causal']} | {r['impl']} | "
                          f"{r['cos_sim']:.6f} | {r['rel_l1']:.4f} |")
+    if memory:
+        lines += ["", "| B | H | N | D | impl | peak extra GiB | output GiB |", "|---|---|---|---|---|---|---|"]
+        for r in memory:
+            lines.append(f"| {r['batch']} | {r['heads']} | {r['seq_len']} | {r['head_dim']} | {r['impl']} | "
+                         f"{r['peak_extra_gib']:.2f} | {r['output_gib']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -363,6 +404,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ds-tuning", nargs="*", default=[],
                    help="--profile: ΔS GEMM launches to compare, each 'block_n,qb_tile,num_warps,num_stages' "
                         "(qb_tile: calls of more than DS_TUNING['short_nqb'] query blocks)")
+    p.add_argument("--memory", type=int, nargs=4, metavar=("B", "H", "N", "D"),
+                   help="measure the peak extra memory of one call at this shape instead of timing")
     p.add_argument("--variants", nargs="+", help=f"--tune variants (default all: {[v for v, _ in TUNE_VARIANTS]})")
     args = p.parse_args(argv)
     if args.quick:
@@ -386,6 +429,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         rows = tune_rows(args)
         write_csv(args.out / "tune.csv", rows)
         (args.out / "tune.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        return
+    if args.memory:
+        memory = memory_rows(args)
+        write_csv(args.out / "memory.csv", memory)
+        (args.out / "bench.json").write_text(json.dumps(dict(meta=meta, memory=memory), indent=1))
+        (args.out / "summary.md").write_text(summary_md(meta, [], [], memory))
         return
     speed = [] if args.no_speed else speed_rows(args)
     acc = [] if args.no_accuracy else accuracy_rows(args)

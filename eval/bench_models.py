@@ -34,9 +34,10 @@ handle's report (what each attention site ran, its fallbacks and remarks) is sto
 columns decode with Transformers' default ``DynamicCache``.
 
 Timing: a step or prefill is called ``--warmup`` times (the first call's output is the one compared), then
-``--reps`` calls are timed with CUDA events, median reported. A decode row runs one ``generate()`` of
-``--decode-tokens`` tokens; a logits processor marks each step with a CUDA event and forces the next token;
-ms/token is the median interval between steps (the prefill is not in it).
+``--reps`` calls are timed with CUDA events, median reported. A decode row runs ``--warmup`` untimed
+``generate()`` calls, then one timed ``generate()`` of ``--decode-tokens`` tokens; a logits processor marks each
+step with a CUDA event and forces the next token; ms/token is the median interval between steps (the prefill is
+not in it).
 
 ``--layers N`` (every row) or ``--layers ROW=N`` cuts a model to N transformer blocks (double / single stream
 models keep their 1:2 ratio), e.g. to fit the memory or the time; each row says what it ran. ``--quick``: every
@@ -453,6 +454,8 @@ def run_column(row: Row, column: str, call: Callable[[], Any], device: torch.dev
     try:
         with torch.no_grad(), column_setup(column, model, record, args.policy):
             if row.kind == "decode":
+                for _ in range(args.warmup):  # untimed: the first generate() of a process runs cold (allocator)
+                    call()
                 out, steps = call()
                 ms = harness.median(steps)
                 record["steps"] = len(steps)
@@ -616,7 +619,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="patch_model's policy (default: the library's default)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="weights and inputs (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed calls before the timed ones (step, prefill)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed calls before the timed ones (a decode row: whole generate() calls)")
     p.add_argument("--reps", type=int, default=3, help="timed calls (step, prefill)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens generate() makes in a decode row")
     p.add_argument("--budget-s", type=float, default=None, help="start no column after this many seconds")
