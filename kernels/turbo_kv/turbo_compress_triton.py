@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..rounding_triton import _rne
-from .turbo_ref import TURBO_BLOCK, TURBO_QMAX, CompressedKV, per_head_bits
+from .turbo_ref import TURBO_BLOCK, TURBO_QMAX, CompressedKV, bit_groups, per_head_bits
 
 KERNEL_BITS = (2, 4)  # code widths the kernels take (8-bit codes stay on the reference)
 
@@ -79,18 +79,6 @@ def _turbo_compress_kernel(
 
 
 # --------------------------------------------------------------------------- launcher
-
-
-def bit_groups(*widths: Sequence[int]) -> list[tuple[tuple[int, ...], list[int]]]:
-    """Heads grouped by their widths: ``[(key, heads)]``, key = the widths of head ``h`` in each sequence.
-
-    ``bit_groups((4, 2, 4))`` → ``[((2,), [1]), ((4,), [0, 2])]``; the decode kernel groups by
-    ``(k_bits, v_bits)`` pairs. One launch per group; keys sorted, heads ascending.
-    """
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for h, key in enumerate(zip(*widths)):
-        groups.setdefault(tuple(key), []).append(h)
-    return sorted(groups.items())
 
 
 @functools.lru_cache(maxsize=256)
@@ -209,4 +197,4 @@ def turbo_compress_int8_blocks(
     return _compressed(parts[:-1], bits, block, block_scale)
 
 
-__all__ = ["bit_groups", "compress_unsupported", "turbo_compress_blocks", "turbo_compress_int8_blocks"]
+__all__ = ["compress_unsupported", "turbo_compress_blocks", "turbo_compress_int8_blocks"]

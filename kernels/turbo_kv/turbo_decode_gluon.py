@@ -742,6 +742,14 @@ def default_num_splits(batch: int, kv_heads: int, n_blocks: int, device: torch.d
     return min(split_count(batch, kv_heads, n_blocks, device, PROGRAMS_PER_SM), MAX_SPLITS)
 
 
+def launch_splits(batch: int, heads: int, n_blocks: int, num_splits: int, device: torch.device) -> tuple[int, int]:
+    """``(splits, blocks per split)`` of a launch over ``heads`` KV heads of a cache of ``n_blocks ≥ 1`` blocks:
+    ``num_splits`` (≤ 0: :func:`default_num_splits`), at most ``MAX_SPLITS`` and ``n_blocks``, evened out."""
+    splits = num_splits if num_splits > 0 else default_num_splits(batch, heads, n_blocks, device)
+    per_split = cdiv(n_blocks, min(max(splits, 1), n_blocks, MAX_SPLITS))
+    return cdiv(n_blocks, per_split), per_split
+
+
 _PLANS = LaunchPlans(_turbo_decode_gluon)  # later calls of a shape go to the compiled kernel's launcher
 
 
@@ -769,9 +777,7 @@ def launch(q, heads, meta, steps, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zi
     b, h, _, d = q.shape
     hkv, t = k_sint.shape[1], k_sint.shape[2]
     group = h // hkv
-    splits = num_splits if num_splits > 0 else default_num_splits(b, len(heads), t, q.device)
-    per_split = cdiv(t, min(max(splits, 1), t, MAX_SPLITS))
-    splits = cdiv(t, per_split)
+    splits, per_split = launch_splits(b, len(heads), t, num_splits, q.device)
     m_part, l_part, acc_part, counters = workspace(splits) if splits > 1 else (out,) * 4
     args = (q, q.stride(0), q.stride(1),
             kc, kc.stride(0), k_sint, k_zint, k_bscale,

@@ -71,12 +71,12 @@ import triton.language as tl
 from quantpatch.config import AttentionConfig
 
 from ..attention.quant_attn_triton import SAS_THRESHOLD, _sas_exp
-from ..compiled_launch import next_pow2, stream_key
+from ..compiled_launch import cdiv, next_pow2, stream_key
 from ..device import GluonGate
 from ..rounding_triton import _rne
-from .turbo_compress_triton import KERNEL_BITS, bit_groups
+from .turbo_compress_triton import KERNEL_BITS
 from .turbo_decode_splits import split_count
-from .turbo_ref import CompressedKV, Int8Buffer, decode_attention_config
+from .turbo_ref import CompressedKV, Int8Buffer, bit_groups, decode_attention_config
 
 HEAD_DIMS = (64, 128)
 MAX_Q_LEN = 16
@@ -573,6 +573,11 @@ class _Plan:
     def direct(self) -> bool:
         return self.splits == 1
 
+    @property
+    def variant(self) -> tuple:
+        """What the kernel's constexprs take from the plan (its compiled variant), the split sizes left out."""
+        return self.direct, self.lanes, self.g_pad, self.nq_pad, self.s_chunk
+
 
 @functools.lru_cache(maxsize=256)
 def _plan(group: int, nq: int, t: int, k_bits: tuple[int, ...], v_bits: tuple[int, ...], num_splits: int,
@@ -586,8 +591,9 @@ def _plan(group: int, nq: int, t: int, k_bits: tuple[int, ...], v_bits: tuple[in
     per_split = lanes * math.ceil(t / splits / lanes) if t else 0
     splits = math.ceil(t / per_split) if t else 1
     # ≤ 16 splits and ≤ 64 (row, split) pairs at a time: Triton 3.6 fails to compile the [4, 32, 32] reduction
-    # at 2 warps (TritonGPUOptimizeThreadLocality, on an H200)
-    s_chunk = max(2, min(next_pow2(splits), 16, 64 // (g_pad * nq_pad)))
+    # at 2 warps (TritonGPUOptimizeThreadLocality, on an H200); the same chunk for any split count (the merge masks
+    # the splits past it), so that a cache growing into more splits compiles no new variant
+    s_chunk = max(2, min(16, 64 // (g_pad * nq_pad)))
     groups = tuple((kw, vw, tuple(heads)) for (kw, vw), heads in bit_groups(k_bits, v_bits))
     return _Plan(splits, per_split, lanes, g_pad, nq_pad, s_chunk, groups)
 
@@ -599,14 +605,17 @@ MAX_WORKSPACES = 16
 def _workspace(device: torch.device, parts: int, d: int, counters: int) -> tuple[torch.Tensor, ...]:
     """``(m, ℓ, acc, counters)`` for the splits' partials, kept per (device, stream, size): the counters are
     zero between calls (the last split of each (batch, KV head) resets its own), so they are allocated once;
-    per stream, so that calls on two streams never share one (a CUDA-graph capture reuses its stream's)."""
+    per stream, so that calls on two streams never share one (a CUDA-graph capture reuses its stream's). ``m``, ``ℓ``
+    and ``acc`` start on 16-byte boundaries whatever ``parts`` (their alignment is part of a compiled kernel's key,
+    and ``parts`` follows the split count)."""
     key = (*stream_key(device), parts, d, counters)
     ws = _WORKSPACES.get(key)
     if ws is None:
         if len(_WORKSPACES) >= MAX_WORKSPACES:
             _WORKSPACES.pop(next(iter(_WORKSPACES)))
-        flat = torch.empty(parts * (2 + d), dtype=torch.float32, device=device)
-        ws = (flat[:parts], flat[parts:2 * parts], flat[2 * parts:],
+        stride = cdiv(parts, 4) * 4
+        flat = torch.empty(2 * stride + parts * d, dtype=torch.float32, device=device)
+        ws = (flat[:parts], flat[stride:stride + parts], flat[2 * stride:],
               torch.zeros(counters, dtype=torch.int32, device=device))
         _WORKSPACES[key] = ws
     return ws
@@ -756,12 +765,44 @@ def gluon_takes(device: torch.device, group: int, nq: int, d: int, k_bits: int, 
                                                                           n_blocks) is None
 
 
+# blocks: a longer cache launches the decode-kernel variants of this length (from 8 blocks on each kernel splits the
+# keys whenever it ever does, and the Triton kernel's 16 lanes fill 2 splits from 32 blocks on; only the split sizes
+# grow, which are not specialized)
+VARIANT_HORIZON = 64
+
+
+def _variants(batch: int, group: int, k_bits: tuple[int, ...], v_bits: tuple[int, ...], d: int, t: int,
+              device: torch.device) -> tuple:
+    """The compiled variants that a single-token decode call over ``t`` blocks launches (default splits): per
+    code-width group, the Gluon kernel's (one split or several) or the Triton kernel's (its plan's)."""
+    plan = _plan(group, 1, t, k_bits, v_bits, default_num_splits(batch, len(k_bits), t, device), 0)
+    return tuple(("gluon", _gluon.launch_splits(batch, len(heads), t, 0, device)[0] == 1)
+                 if gluon_takes(device, group, 1, d, kw, vw, t) else ("triton", kw, vw, plan.variant)
+                 for kw, vw, heads in plan.groups)
+
+
+@functools.lru_cache(maxsize=256)
+def decode_variant_blocks(batch: int, group: int, k_bits: tuple[int, ...], v_bits: tuple[int, ...], d: int,
+                          n_blocks: int, device: torch.device) -> tuple[int, ...]:
+    """Cache sizes, in blocks, whose single-token decode calls (``group`` query heads per KV head, default splits)
+    launch between them every kernel variant that the calls over a cache of ``n_blocks`` blocks or more launch, each
+    the smallest size of its variant: the sizes a cache compiles its decode steps' kernels on before they run.
+
+    ``decode_variant_blocks(1, 4, (4,) * 8, (4,) * 8, 128, 0, cuda)`` on an H200 is ``(0, 1, 8)``: the Triton kernel
+    over the buffer alone, the Gluon kernel with one split, with several (from 8 blocks)."""
+    variants = [_variants(batch, group, k_bits, v_bits, d, t, device) for t in range(VARIANT_HORIZON + 1)]
+    first: dict[tuple, int] = {}
+    for t, variant in enumerate(variants):
+        first.setdefault(variant, t)
+    return tuple(sorted({first[variant] for variant in variants[min(n_blocks, VARIANT_HORIZON):]}))
+
+
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` in ``dtype``, contiguous (itself when it already is)."""
     return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
 
 
-__all__ = ["decode_unsupported", "default_num_splits", "gluon_takes", "turbo_decode_attention"]
+__all__ = ["decode_unsupported", "decode_variant_blocks", "default_num_splits", "gluon_takes", "turbo_decode_attention"]
 
 # last: the Gluon kernel (Triton 3.6+'s triton.experimental.gluon) serves the groups it takes on sm_90
 try:

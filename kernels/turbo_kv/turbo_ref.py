@@ -116,6 +116,18 @@ def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- containers
 
 
+def bit_groups(*widths: Sequence[int]) -> list[tuple[tuple[int, ...], list[int]]]:
+    """Heads grouped by their widths: ``[(key, heads)]``, key = the widths of head ``h`` in each sequence.
+
+    ``bit_groups((4, 2, 4))`` → ``[((2,), [1]), ((4,), [0, 2])]``; the decode kernel groups by
+    ``(k_bits, v_bits)`` pairs. The kernels launch once per group; keys sorted, heads ascending.
+    """
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for h, key in enumerate(zip(*widths)):
+        groups.setdefault(tuple(key), []).append(h)
+    return sorted(groups.items())
+
+
 def per_head_bits(bits: int | Sequence[int], kv_heads: int) -> tuple[int, ...]:
     """Normalize ``bits`` (one int for every head, or one per KV head) to a tuple of ``kv_heads`` ints."""
     out = (int(bits),) * kv_heads if isinstance(bits, int) else tuple(int(b) for b in bits)
@@ -132,7 +144,8 @@ class CompressedKV:
     """The BPQ-compressed blocks of one K or V tensor.
 
     Attributes:
-        codes: one uint8 tensor per KV head, ``(B, T·block, D·bits[h]/8)``: packed ``X^{q2}``.
+        codes: one uint8 tensor per KV head, ``(B, T·block, D·bits[h]/8)``: packed ``X^{q2}`` (the compression
+            kernel and the appends store the heads of one width as views of one ``(B, H_w, T·block, ·)`` tensor).
         int_scale: int8 ``(B, Hkv, T, D)``: ``s^int`` per channel per block.
         int_zero: int8 ``(B, Hkv, T, D)``: ``z^int`` per channel per block (code units).
         block_scale: float ``(B, Hkv, T)``: ``s`` of the INT8 step per block.
@@ -292,11 +305,26 @@ def turbo_compress_kv_ref(
     return compressed, Int8Buffer(values=tail.to(torch.int8), scale=buffer_scale.contiguous(), qmax=qmax)
 
 
+def _cat_codes(a: CompressedKV, b: CompressedKV) -> tuple[torch.Tensor, ...]:
+    """Each head's codes of ``a`` then ``b`` along the tokens, the heads of one width stored in one tensor
+    ``(B, H_w, N, D·w/8)`` (each head's codes a view of it), as the compression kernel stores them: the decode
+    kernels address a width group's heads by their code offsets from its first head's, which then keep one
+    pattern (evenly spaced, 16-byte multiples) from one block to the next, and so does their compiled variant."""
+    codes: list[torch.Tensor | None] = [None] * len(a.bits)
+    for _, heads in bit_groups(a.bits):
+        first_a, first_b = a.codes[heads[0]], b.codes[heads[0]]
+        n_a = first_a.shape[-2]
+        group = first_a.new_empty((first_a.shape[0], len(heads), n_a + first_b.shape[-2], first_a.shape[-1]))
+        for slot, head in enumerate(heads):
+            codes[head] = torch.cat([a.codes[head], b.codes[head]], dim=-2, out=group[:, slot])
+    return tuple(codes)
+
+
 def _cat_blocks(a: CompressedKV, b: CompressedKV) -> CompressedKV:
     if a.bits != b.bits or a.block != b.block:
         raise ValueError("cannot concatenate CompressedKV with different bit widths or block sizes")
     return CompressedKV(
-        codes=tuple(torch.cat(pair, dim=-2) for pair in zip(a.codes, b.codes)),
+        codes=_cat_codes(a, b),
         int_scale=torch.cat([a.int_scale, b.int_scale], dim=2),
         int_zero=torch.cat([a.int_zero, b.int_zero], dim=2),
         block_scale=torch.cat([a.block_scale, b.block_scale.to(a.block_scale.dtype)], dim=2),

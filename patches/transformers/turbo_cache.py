@@ -34,6 +34,11 @@ attention plain full precision.
 * otherwise (unpatched model, another mode, an excluded site) it returns the cache dequantized to the
   input dtype, as Transformers' own ``QuantizedCache`` does, so any attention stays correct.
 
+**Kernel warm-up** (CUDA): a layer's prefill also compiles every kernel variant that its decode steps will launch
+(:meth:`TurboLayer.warm_up`), so that no step of a generation compiles one: the compression of a full buffer, and
+the decode kernels at the layer's length and at the lengths the generation grows through (one split, several; the
+Triton kernel over the buffer alone, the Gluon one once a block exists).
+
 Sliding-window, chunked and linear-attention layers are not supported (every layer is full attention).
 Under Transformers tensor parallelism a rank's cache holds the rank's KV heads, with their slice of the per-head
 widths (:mod:`~quantpatch.patches.transformers.tensor_parallel`).
@@ -44,6 +49,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
+import sys
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,10 +67,13 @@ from quantpatch.dispatch import (
     Implementation,
     OpCall,
     Quiet,
+    load_kernels,
     on_kernels_import,
     preload_kernels,
     register,
+    run_on_device,
     run_op,
+    select,
 )
 from quantpatch.fallback import UnsupportedError
 from quantpatch.head_precision import HeadPrecision, attention_modules, head_precision_of, kv_config_of
@@ -89,6 +98,9 @@ READS_TURBO_LAYERS = "_quantpatch_reads_turbo_layers"
 # Attribute of a patched module holding its AttentionSite (defined here: attention.py imports this module).
 SITE_ATTR = "_quantpatch_site"
 BUFFER_HEADROOM = 1.25  # universal buffer scale = headroom × the prompt's absmax (see the module docstring)
+WARM_DEVICES = ("cuda",)  # device types where a layer's prefill compiles its decode steps' kernels (TurboLayer.warm_up)
+# What TurboLayer.warm_up compiled in this process: (the kernel variants' inputs: device, dtype, layout, ..., twin size)
+_WARMED: set[tuple] = set()
 # The TurboCache whose update ran last in this context (weakly held), for the attention function.
 _ACTIVE_CACHE: contextvars.ContextVar[weakref.ref | None] = contextvars.ContextVar("quantpatch_turbo", default=None)
 
@@ -290,6 +302,51 @@ class TurboLayer(CacheLayerMixin):
             return self._placeholders
         return self.dequantized(key_states.dtype)
 
+    def warm_up(self, dtype: torch.dtype, group: int | None, cfg: AttentionConfig | None = None) -> None:
+        """Compile now the kernel variants that this layer's decode steps will launch, so that none of them compiles
+        one (:class:`TurboCache` calls this at a layer's prefill on CUDA).
+
+        Decode steps over ``dtype`` states launch the compression kernel on each full buffer and, where the attention
+        reads the layer (``group`` query heads per KV head, numerics ``cfg``; ``group`` None: it does not), the decode
+        kernels, whose variant follows the cache's length (one split or several; the Triton kernel while no block
+        exists, the Gluon one after). For each length that ``turbo_decode_triton.decode_variant_blocks`` names (the
+        shortest of each variant met from this layer's length on), a twin of this layer is filled with zeros (that
+        many blocks and ``block − 1`` buffered tokens), attended once by a zero query token and given one more token,
+        which compresses a block as a decode step does; the twin is then dropped. Each (layout, length) is warmed
+        once per process; what the kernels decline is left to the first decode step (and its warning).
+
+        Cost, once per process and layout: the compiles that the decode steps would otherwise pay, plus one twin per
+        length (on an H200 at most four lengths of at most 17 blocks for batches 1-128; three, of at most 8 blocks, for
+        a 4-bit ``D = 128`` cache): a few small launches and their host work. Every other call: a few cache lookups
+        (about 2 µs).
+        """
+        if self.k_blocks is None:
+            raise ValueError(f"TurboCache layer {self.layer_idx} is empty: warm_up follows its prefill")
+        load_kernels(TURBO_DECODE_MODULE)
+        kernels = sys.modules.get(TURBO_DECODE_MODULE)
+        if group is None or kernels is None:
+            lengths: tuple[int, ...] = (0,)  # the compression alone
+        else:
+            lengths = kernels.decode_variant_blocks(self.batch, group, self.k_bits, self.v_bits, self.head_dim,
+                                                    self.k_blocks.n_blocks, self.device)
+        layout = (self.device, dtype, self.batch, self.kv_heads, self.head_dim, self.k_bits, self.v_bits, self.block,
+                  self.qmax, group, cfg)
+        for n_blocks in lengths:
+            if (*layout, n_blocks) in _WARMED:
+                continue
+            twin = TurboLayer(self.kv_heads, self.head_dim, self.k_bits, self.v_bits, block=self.block, qmax=self.qmax)
+            zeros = torch.zeros(self.batch, self.kv_heads, (n_blocks + 1) * self.block, self.head_dim, dtype=dtype,
+                                device=self.device)
+            twin.update(zeros[..., :-1, :], zeros[..., :-1, :])  # n_blocks blocks and block − 1 buffered tokens
+            if group is not None:
+                query = zeros.new_zeros((self.batch, self.kv_heads * group, 1, self.head_dim))
+                call = TurboDecodeCall(query, twin, cache_attention_config(cfg, self.block), None, False, None, True)
+                impl, _ = select("turbo_decode", "turbo", call)
+                if impl.name != REFERENCE:
+                    run_on_device(impl, call)
+            twin.update(zeros[..., -1:, :], zeros[..., -1:, :], direct=True)  # the buffer fills: a block compressed
+            _WARMED.add((*layout, n_blocks))
+
     @property
     def clamped(self) -> int:
         """New-token values the universal buffer scale clamped so far (K and V together)."""
@@ -489,6 +546,10 @@ class TurboCache(Cache):
             ``config.two_bit_heads > 0``. A :class:`HeadPrecision` with calibrated absmax also sets the
             floor of the buffer's universal scale.
         buffer_headroom: the universal buffer scale is at least ``buffer_headroom`` × the prompt's absmax.
+
+    On CUDA each layer's first update (the prefill) also compiles the kernel variants that its decode steps will launch
+    (:meth:`TurboLayer.warm_up`: once per process and layout, on zero-filled twins of a few blocks), so that the
+    compiles happen in the first forward, not in the middle of the generation.
     """
 
     def __init__(
@@ -533,7 +594,13 @@ class TurboCache(Cache):
         module = module() if module is not None else None
         direct = module is not None and _reads_directly(module)
         _ACTIVE_CACHE.set(weakref.ref(self))
-        return self.layers[layer_idx].update(key_states, value_states, direct=direct)
+        layer = self.layers[layer_idx]
+        filling = layer.k_blocks is None
+        out = layer.update(key_states, value_states, direct=direct)
+        if filling and key_states.device.type in WARM_DEVICES and not torch.compiler.is_compiling():
+            site_config = getattr(module, SITE_ATTR).config if direct else None
+            layer.warm_up(key_states.dtype, module.num_key_value_groups if direct else None, site_config)
+        return out
 
     def check_model(self, model: Any) -> None:
         """Raise ``ValueError`` unless this cache was built for ``model``."""

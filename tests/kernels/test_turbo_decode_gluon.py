@@ -53,6 +53,24 @@ def test_default_splits_fill_one_wave_of_one_warp_programs(monkeypatch):
     assert tdg.default_num_splits(64, 8, 512, dev) == 2
 
 
+def test_decode_variant_blocks_are_the_shortest_cache_of_each_variant_a_generation_meets(monkeypatch):
+    """What a TurboCache compiles at its prefill: on an H200 (132 SMs, Gluon), a uniform 4-bit cache from the empty
+    one meets the Triton kernel over the buffer alone, then the Gluon kernel with one split and with several."""
+    monkeypatch.setattr(turbo_decode_splits, "_sm_count", lambda device: 132)
+    dev = torch.device("cuda")
+    monkeypatch.setitem(tdt.GLUON.reasons, dev, None)
+    four = (4,) * 8
+    tdt.decode_variant_blocks.cache_clear()
+    try:
+        assert tdt.decode_variant_blocks(1, 4, four, four, 128, 0, dev) == (0, 1, 8)
+        assert tdt.decode_variant_blocks(1, 4, four, four, 128, 5, dev) == (1, 8)
+        assert tdt.decode_variant_blocks(8, 4, four, four, 128, 512, dev) == (8,)
+        # the Triton kernel (head_dim 64): one split, one split over 16 lanes (one query head a KV head), several
+        assert tdt.decode_variant_blocks(1, 1, four, four, 64, 0, dev) == (0, 8, 17)
+    finally:
+        tdt.decode_variant_blocks.cache_clear()
+
+
 def test_a_gluon_kernel_that_does_not_compile_warns_once_and_triton_serves(monkeypatch, caplog):
     """A Triton whose Gluon API differs: the first call logs a warning, the Triton kernel serves that call and
     every later one (Gluon has no interpreter: its launcher is replaced by one that raises)."""

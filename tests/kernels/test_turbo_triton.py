@@ -112,11 +112,24 @@ def test_compression_is_byte_exact(n, d, bits, dtype):
     _assert_same_cache(ref, got)
 
 
+def _one_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are views of one tensor, ``b`` one head further (``(B, H_w, N, ·)``, dim 1)."""
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.stride() == b.stride()
+            and b.data_ptr() - a.data_ptr() == a.shape[-2] * a.shape[-1])
+
+
 def test_compressed_codes_are_views_of_one_tensor_per_width():
+    """As the compression kernel stores them, and so do appends of blocks (the decode kernels' code offsets, part
+    of their compiled variant, keep one pattern from one block to the next)."""
     x = torch.randn(1, 3, 128, 64, device=DEVICE)
     blocks = turbo_compress_blocks(x, (4, 2, 4))
     assert blocks.codes[0].shape == (1, 128, 32) and blocks.codes[1].shape == (1, 128, 16)
-    assert blocks.codes[0].untyped_storage().data_ptr() == blocks.codes[2].untyped_storage().data_ptr()
+    assert _one_tensor(blocks.codes[0], blocks.codes[2])
+    buffer = turbo_compress_kv_ref(x[..., :0, :], (4, 2, 4), buffer_scale=torch.ones(1, 3, 1, 1, device=DEVICE))[1]
+    for compress_int8 in (turbo_compress_int8_blocks, None):  # the kernel, the reference (one tensor per head)
+        kwargs = {} if compress_int8 is None else dict(compress_int8=compress_int8)
+        grown = turbo_append_ref(blocks, buffer, torch.randn(1, 3, 64, 64, device=DEVICE), **kwargs)[0]
+        assert grown.n_blocks == 3 and _one_tensor(grown.codes[0], grown.codes[2])
     with pytest.raises(ValueError, match="whole blocks"):
         turbo_compress_blocks(x[..., :100, :], 4)
     with pytest.raises(ValueError, match="code widths"):
