@@ -24,11 +24,11 @@ time by each row's (eager), ``graph_speedup_vs_sdpa`` the same for graph times, 
 fastest SDPA backend's (eager). ``--sweep`` first times the kernel's launch options (warps, pipeline stages, splits)
 at one ``B × N`` and writes ``sweep.csv``.
 
-The compressed cache is synthesized in its stored layout (random codes, ``s^int`` ∈ [1, 16],
-``z^int``, block scales), since latency does not depend on the values; ``--check`` compresses real
-data at a small size and compares the two layouts byte for byte. Memory is what the layer stores
-(packed codes, INT8 ``s^int``/``z^int``, FP32 block scales, the INT8 buffer and its scale) next to
-the bf16 cache, per layer and for the 32-layer model; ``max_batch`` is the largest batch whose 32-layer
+The compressed cache is synthesized in its stored layout (random codes, each code width's heads views of one
+tensor as a real cache keeps them; ``s^int`` ∈ [1, 16], ``z^int``, block scales), since latency does not depend on
+the values; ``--check`` compresses real data at a small size and compares the bytes stored and the code layout.
+Memory is what the layer stores (packed codes, INT8 ``s^int``/``z^int``, FP32 block scales, the INT8 buffer and its
+scale) next to the bf16 cache, per layer and for the 32-layer model; ``max_batch`` is the largest batch whose 32-layer
 KV cache fits in ``--memory-gib`` (default: the device's memory) less the bf16 weights of an 8B model.
 
 Times are medians: ``triton.testing.do_bench`` on CUDA (warm-up, then ``--rep`` ms), a
@@ -76,8 +76,10 @@ logger = logging.getLogger("quantpatch").getChild("eval.bench_decode")
 def synthetic_turbo_layer(
     b: int, n: int, bits: Sequence[int], *, device: str, seed: int = 0, kv_heads: int = KV_HEADS, d: int = HEAD_DIM
 ):
-    """A ``TurboLayer`` holding ``n`` tokens in the stored layout, values random (latency does not depend on them)."""
-    from quantpatch.kernels.turbo_kv.turbo_ref import CompressedKV, Int8Buffer
+    """A ``TurboLayer`` holding ``n`` tokens in the stored layout, values random (latency does not depend on them):
+    each code width's heads are views of one ``(B, H_w, N, D·w/8)`` tensor, as a real cache keeps them (the decode
+    kernels then address the heads without an offsets table)."""
+    from quantpatch.kernels.turbo_kv.turbo_ref import CompressedKV, Int8Buffer, bit_groups, width_views
     from quantpatch.patches.transformers.turbo_cache import TurboLayer
 
     layer = TurboLayer(kv_heads, d, bits, bits, layer_idx=0)
@@ -85,8 +87,9 @@ def synthetic_turbo_layer(
     t, tail = divmod(n, layer.block)
 
     def blocks() -> CompressedKV:
-        codes = tuple(torch.randint(0, 256, (b, t * layer.block, d * w // 8), generator=gen, device=device,
-                                    dtype=torch.uint8) for w in layer.k_bits)
+        widths = bit_groups(layer.k_bits)  # one (B, H_w, N, D·w/8) tensor per width, its heads' codes views of it
+        codes = width_views([torch.randint(0, 256, (b, len(heads), t * layer.block, d * w // 8), generator=gen,
+                                           device=device, dtype=torch.uint8) for (w,), heads in widths], layer.k_bits)
         s_int = torch.randint(1, 17, (b, kv_heads, t, d), generator=gen, device=device, dtype=torch.int8)
         # z^int with (q + z)·s inside ±119 for every 4-bit code: z ∈ [-119/s, 119/s − 15].
         z = (torch.rand(b, kv_heads, t, d, generator=gen, device=device) * 2 - 1) * (119 / s_int.float() - 7.5) - 7.5
@@ -114,8 +117,19 @@ def bf16_bytes(b: int, n: int) -> int:
     return 2 * 2 * b * KV_HEADS * n * HEAD_DIM
 
 
+def code_layout(layer) -> list[tuple]:
+    """Of K and V: each head's codes' shape, strides and offset in its storage, and the storages of each width."""
+    from quantpatch.kernels.turbo_kv.turbo_ref import bit_groups
+
+    return [(tuple((tuple(c.shape), c.stride(), c.storage_offset()) for c in blocks.codes),
+             tuple(len({blocks.codes[h].untyped_storage().data_ptr() for h in heads})
+                   for _, heads in bit_groups(blocks.bits)))
+            for blocks in (layer.k_blocks, layer.v_blocks)]
+
+
 def check_layout(device: str) -> None:
-    """Synthetic and really compressed layers store the same bytes (and the reference attention runs on both)."""
+    """Synthetic and really compressed layers store the same bytes in the same code layout (each width's heads views
+    of one tensor), and the reference attention runs on both."""
     from quantpatch.patches.transformers.turbo_cache import TurboLayer, turbo_cache_attention
 
     b, n, bits = 2, 64 * 3 + 5, (4, 2) * (KV_HEADS // 2)
@@ -127,6 +141,8 @@ def check_layout(device: str) -> None:
     if real.nbytes() != fake.nbytes() or real.nbytes() != turbo_bytes(b, n, bits):
         raise AssertionError(f"layouts differ: real {real.nbytes()}, synthetic {fake.nbytes()}, "
                              f"formula {turbo_bytes(b, n, bits)}")
+    if code_layout(real) != code_layout(fake):
+        raise AssertionError(f"code layouts differ: real {code_layout(real)}, synthetic {code_layout(fake)}")
     q = torch.randn(b, HEADS, 1, HEAD_DIM, generator=gen, device=device)
     for layer in (real, fake):
         if not torch.isfinite(turbo_cache_attention(q, layer)).all():

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..rounding_triton import _rne
-from .turbo_ref import TURBO_BLOCK, TURBO_QMAX, CompressedKV, bit_groups, per_head_bits
+from .turbo_ref import TURBO_BLOCK, TURBO_QMAX, CompressedKV, bit_groups, per_head_bits, width_views
 
 KERNEL_BITS = (2, 4)  # code widths the kernels take (8-bit codes stay on the reference)
 
@@ -143,14 +143,11 @@ def _(x, bits, block, qmax, step1):
 def _compressed(
     parts: list[torch.Tensor], bits: tuple[int, ...], block: int, block_scale: torch.Tensor
 ) -> CompressedKV:
-    groups = bit_groups(bits)
-    per_head: dict[int, torch.Tensor] = {}
-    for ((_,), heads), codes in zip(groups, parts):
-        per_head |= {head: codes[:, slot] for slot, head in enumerate(heads)}
+    n_groups = len(bit_groups(bits))
     return CompressedKV(
-        codes=tuple(per_head[h] for h in range(len(bits))),
-        int_scale=parts[len(groups)],
-        int_zero=parts[len(groups) + 1],
+        codes=width_views(parts[:n_groups], bits),
+        int_scale=parts[n_groups],
+        int_zero=parts[n_groups + 1],
         block_scale=block_scale,
         bits=bits,
         block=block,

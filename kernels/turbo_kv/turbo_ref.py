@@ -144,8 +144,9 @@ class CompressedKV:
     """The BPQ-compressed blocks of one K or V tensor.
 
     Attributes:
-        codes: one uint8 tensor per KV head, ``(B, T·block, D·bits[h]/8)``: packed ``X^{q2}`` (the compression
-            kernel and the appends store the heads of one width as views of one ``(B, H_w, T·block, ·)`` tensor).
+        codes: one uint8 tensor per KV head, ``(B, T·block, D·bits[h]/8)``: packed ``X^{q2}`` (the compressions,
+            the appends and the batch maps store the heads of one width as views of one ``(B, H_w, T·block, ·)``
+            tensor: :func:`map_width_codes`).
         int_scale: int8 ``(B, Hkv, T, D)``: ``s^int`` per channel per block.
         int_zero: int8 ``(B, Hkv, T, D)``: ``z^int`` per channel per block (code units).
         block_scale: float ``(B, Hkv, T)``: ``s`` of the INT8 step per block.
@@ -219,6 +220,44 @@ class Int8Buffer:
         return self.values.numel() * self.values.element_size() + self.scale.numel() * self.scale.element_size()
 
 
+def _width_tensor(codes: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The heads' codes ``(B, N, W)`` of one width as one ``(B, H_w, N, W)`` tensor: the tensor they are views of
+    (one storage, one stride from a head to the next), else a stacked copy."""
+    first = codes[0]
+    step = codes[1].storage_offset() - first.storage_offset() if len(codes) > 1 else 0
+    storage = first.untyped_storage().data_ptr()
+    if step >= 0 and all(c.untyped_storage().data_ptr() == storage and c.stride() == first.stride()
+                         and c.storage_offset() == first.storage_offset() + i * step for i, c in enumerate(codes)):
+        b, n, w = first.shape
+        return first.as_strided((b, len(codes), n, w), (first.stride(0), step, *first.stride()[1:]),
+                                first.storage_offset())
+    return torch.stack(tuple(codes), dim=1)
+
+
+def width_views(groups: Sequence[torch.Tensor], bits: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """Each head's codes ``(B, N, D·w/8)`` as a view of its width's tensor: ``groups[i]`` ``(B, H_w, N, D·w/8)``
+    holds the heads of the ``i``-th width of :func:`bit_groups` ``(bits)``, ascending."""
+    codes: list[torch.Tensor | None] = [None] * len(bits)
+    for group, (_, heads) in zip(groups, bit_groups(bits), strict=True):
+        for slot, head in enumerate(heads):
+            codes[head] = group[:, slot]
+    return tuple(codes)
+
+
+def map_width_codes(fn: Callable[..., torch.Tensor], *caches: CompressedKV) -> tuple[torch.Tensor, ...]:
+    """Each head's codes of ``fn`` applied per code width: ``fn(codes_a, codes_b, …)`` gets the width's codes of each
+    of ``caches`` (same widths) as one ``(B, H_w, N, D·w/8)`` tensor, heads ascending, and returns one
+    ``(B', H_w, N', D·w/8)`` tensor whose ``[:, slot]`` views become the heads' codes.
+
+    So the heads of one width stay views of one tensor, as the compression kernel and :func:`compress_int8_blocks`
+    store them: the decode kernels address a width group's heads by their code offsets from its first head's, which
+    then keep one pattern (evenly spaced, 16-byte multiples) through appends and batch maps, and so does their
+    compiled variant."""
+    bits = caches[0].bits
+    return width_views([fn(*(_width_tensor([c.codes[h] for h in heads]) for c in caches))
+                        for _, heads in bit_groups(bits)], bits)
+
+
 # --------------------------------------------------------------------------- compression
 
 
@@ -247,17 +286,17 @@ def compress_int8_blocks(
         raise ValueError(f"compress_int8_blocks needs whole blocks of {block} tokens, got {n}")
     bits = per_head_bits(bits, h)
     tiles = values.to(torch.float32).unflatten(-2, (-1, block))  # (B, Hkv, T, block, D)
-    codes, scales, zeros = [], [], []
-    for head, nbits in enumerate(bits):
+    groups = []  # one (B, H_w, N, D·w/8) tensor per width: its heads' codes are views of it
+    scales, zeros = tiles.new_empty(b, h, n // block, d), tiles.new_empty(b, h, n // block, d)
+    for (nbits,), heads in bit_groups(bits):
         # dim=-2 is the token dim inside each block: one (s^int, z^int) per channel per block.
-        q, s, z = quantize_asymmetric_int(tiles[:, head], nbits, dim=-2)
-        codes.append(pack_codes(q.flatten(-3, -2), nbits))
-        scales.append(s.squeeze(-2))
-        zeros.append(z.squeeze(-2))
+        q, s, z = quantize_asymmetric_int(tiles[:, heads], nbits, dim=-2)
+        scales[:, heads], zeros[:, heads] = s.squeeze(-2), z.squeeze(-2)
+        groups.append(pack_codes(q.flatten(-3, -2), nbits))
     return CompressedKV(
-        codes=tuple(codes),
-        int_scale=_to_int8(torch.stack(scales, dim=1) if h else tiles.new_zeros(b, 0, n // block, d), "s^int"),
-        int_zero=_to_int8(torch.stack(zeros, dim=1) if h else tiles.new_zeros(b, 0, n // block, d), "z^int"),
+        codes=width_views(groups, bits),
+        int_scale=_to_int8(scales, "s^int"),
+        int_zero=_to_int8(zeros, "z^int"),
         block_scale=block_scale,
         bits=bits,
         block=block,
@@ -305,26 +344,11 @@ def turbo_compress_kv_ref(
     return compressed, Int8Buffer(values=tail.to(torch.int8), scale=buffer_scale.contiguous(), qmax=qmax)
 
 
-def _cat_codes(a: CompressedKV, b: CompressedKV) -> tuple[torch.Tensor, ...]:
-    """Each head's codes of ``a`` then ``b`` along the tokens, the heads of one width stored in one tensor
-    ``(B, H_w, N, D·w/8)`` (each head's codes a view of it), as the compression kernel stores them: the decode
-    kernels address a width group's heads by their code offsets from its first head's, which then keep one
-    pattern (evenly spaced, 16-byte multiples) from one block to the next, and so does their compiled variant."""
-    codes: list[torch.Tensor | None] = [None] * len(a.bits)
-    for _, heads in bit_groups(a.bits):
-        first_a, first_b = a.codes[heads[0]], b.codes[heads[0]]
-        n_a = first_a.shape[-2]
-        group = first_a.new_empty((first_a.shape[0], len(heads), n_a + first_b.shape[-2], first_a.shape[-1]))
-        for slot, head in enumerate(heads):
-            codes[head] = torch.cat([a.codes[head], b.codes[head]], dim=-2, out=group[:, slot])
-    return tuple(codes)
-
-
 def _cat_blocks(a: CompressedKV, b: CompressedKV) -> CompressedKV:
     if a.bits != b.bits or a.block != b.block:
         raise ValueError("cannot concatenate CompressedKV with different bit widths or block sizes")
     return CompressedKV(
-        codes=_cat_codes(a, b),
+        codes=map_width_codes(lambda x, y: torch.cat([x, y], dim=-2), a, b),
         int_scale=torch.cat([a.int_scale, b.int_scale], dim=2),
         int_zero=torch.cat([a.int_zero, b.int_zero], dim=2),
         block_scale=torch.cat([a.block_scale, b.block_scale.to(a.block_scale.dtype)], dim=2),

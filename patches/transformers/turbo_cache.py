@@ -84,6 +84,7 @@ from quantpatch.kernels.turbo_kv.turbo_ref import (
     Int8Buffer,
     compress_int8_blocks,
     decode_attention_config,
+    map_width_codes,
     per_head_bits,
     turbo_append_ref,
     turbo_compress_kv_ref,
@@ -196,13 +197,14 @@ def _placeholder(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _map_batch(obj: CompressedKV | Int8Buffer | None, fn: Callable[[torch.Tensor], torch.Tensor]):
-    """Apply ``fn`` to every tensor of a cache part along its batch dim."""
+    """Apply ``fn`` to every tensor of a cache part along its batch dim (to each code width's heads at once, so that
+    they stay views of one tensor: ``turbo_ref.map_width_codes``)."""
     if obj is None:
         return None
     if isinstance(obj, CompressedKV):
         return dataclasses.replace(
             obj,
-            codes=tuple(fn(c) for c in obj.codes),
+            codes=map_width_codes(fn, obj),
             int_scale=fn(obj.int_scale),
             int_zero=fn(obj.int_zero),
             block_scale=fn(obj.block_scale),

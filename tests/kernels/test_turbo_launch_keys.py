@@ -8,12 +8,15 @@ no interpreter, and the keys are the subject: what a kernel computes does not ch
 
 * every decode step's launches have keys that the prefill already launched (the layer's warm-up compiled them), and
 * a long prompt's steps launch one key per kernel, through the buffer's first flush into a block (step 64);
+* a beam search's reorder (and the other batch maps) keeps each width's codes views of one tensor, so the steps after
+  it launch the prefill's keys too;
 * off CUDA the cache warms nothing up.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -106,9 +109,11 @@ def launches(monkeypatch):
 
 
 def _generation(launches: Launches, *, kv_heads: int, group: int, head_dim: int, prompt: int, steps: int,
-                gluon: bool, monkeypatch, warm: bool = True) -> None:
+                gluon: bool, monkeypatch, warm: bool = True, batch: int = 1,
+                remaps: dict[int, Callable[[turbo_cache.TurboCache], torch.Tensor]] | None = None) -> None:
     """A patched one-layer Llama's cache through a prefill of ``prompt`` tokens and ``steps`` decode steps, each
-    attended by the model's attention function as a decode step does."""
+    attended by the model's attention function as a decode step does. ``remaps[step](cache)`` runs before that step
+    (a beam search's reorder, say) and returns the rows of the old batch that the new one holds."""
     if gluon:
         monkeypatch.setitem(tdt.GLUON.reasons, CPU, None)  # as on an sm_90 device
     if warm:  # the warm-up of CUDA layers, on the CPU
@@ -118,8 +123,8 @@ def _generation(launches: Launches, *, kv_heads: int, group: int, head_dim: int,
                                       num_attention_heads=group * kv_heads, num_key_value_heads=kv_heads,
                                       head_dim=head_dim)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    b = 1
-    k, v = (torch.randn(b, prompt + steps, kv_heads, head_dim).transpose(1, 2) for _ in range(2))  # the model's layout
+    k, v = (torch.randn(batch, prompt + steps, kv_heads, head_dim).transpose(1, 2)  # the model's layout
+            for _ in range(2))
     with qp.patch_model(model, "turbo", policy="always"):
         attend = transformers.AttentionInterface._global_mapping[model.config._attn_implementation]
         module = model.model.layers[0].self_attn
@@ -127,9 +132,12 @@ def _generation(launches: Launches, *, kv_heads: int, group: int, head_dim: int,
         cache.update(k[:, :, :prompt], v[:, :, :prompt], 0)
         for step in range(1, steps + 1):
             launches.phase = step
+            if step in (remaps or {}):
+                rows = remaps[step](cache)
+                k, v = (x.transpose(1, 2)[rows].transpose(1, 2) for x in (k, v))
             i = prompt + step - 1
             kp, vp = cache.update(k[:, :, i:i + 1], v[:, :, i:i + 1], 0)
-            q = torch.randn(b, 1, group * kv_heads, head_dim).transpose(1, 2)
+            q = torch.randn(k.shape[0], 1, group * kv_heads, head_dim).transpose(1, 2)
             attend(module, q, kp, vp, None, scaling=module.scaling)
         assert cache.layers[0].k_blocks.n_blocks == (prompt + steps) // 64
 
@@ -177,3 +185,32 @@ def test_off_cuda_the_cache_warms_nothing_up(launches, monkeypatch):
     assert set(launches.keys) == {"_turbo_compress_kernel", "_turbo_decode_gluon"}
     assert [phase for phase, _ in launches.keys["_turbo_compress_kernel"]] == ["prefill"] * 2  # the prompt's K and V
     assert [phase for phase, _ in launches.keys["_turbo_decode_gluon"]] == [1]
+
+
+@pytest.mark.parametrize("method, arg", [
+    ("reorder_cache", torch.tensor([1, 0])),  # beam search: each beam's new parent
+    ("batch_select_indices", torch.tensor([1, 0])),
+    ("batch_repeat_interleave", 2),
+])
+def test_batch_maps_keep_a_widths_codes_in_one_tensor_and_launch_the_prefill_keys(launches, monkeypatch, method, arg):
+    """A beam search's reorder (and the other batch maps) at step 10 leaves each width's codes views of one tensor,
+    evenly spaced: the Gluon kernel keeps its offsets-free variant (``REGULAR``) that the prefill compiled, before and
+    after the first flush (step 64)."""
+
+    def remap(cache: turbo_cache.TurboCache) -> torch.Tensor:
+        getattr(cache, method)(arg)
+        layer = cache.layers[0]
+        for blocks in (layer.k_blocks, layer.v_blocks):
+            assert len({c.untyped_storage().data_ptr() for c in blocks.codes}) == 1, f"{method}: codes copied apart"
+        assert tdt._regular_steps(tdt._group_offsets(tuple(range(4)), layer.k_blocks.codes,
+                                                     layer.v_blocks.codes)) is not None
+        return torch.arange(2).repeat_interleave(arg) if method == "batch_repeat_interleave" else arg
+
+    _generation(launches, kv_heads=4, group=2, head_dim=128, prompt=8 * 64, steps=70, gluon=True,
+                monkeypatch=monkeypatch, batch=2, remaps={10: remap})
+    decode = launches.at("_turbo_decode_gluon", prefill=False)
+    assert {step for steps in decode.values() for step in steps} == set(range(1, 71))
+    assert all(dict(key[0])["REGULAR"] for key in decode), "a decode step looks its heads' codes up by offsets"
+    for name in ("_turbo_decode_gluon", "_turbo_compress_kernel"):
+        assert set(launches.at(name, prefill=False)) <= set(launches.at(name, prefill=True)), \
+            f"{name}: a decode step after {method} compiles"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -18,6 +19,7 @@ from quantpatch.kernels.turbo_kv.turbo_ref import (
     decode_attention_config,
     head_bits,
     head_priority,
+    map_width_codes,
     pack_codes,
     pack_int2,
     pack_int4,
@@ -203,6 +205,25 @@ def test_container_validation():
         turbo_compress_kv_ref(_randn(1, 2, 64, 16, seed=0), (4, 4, 4))
     with pytest.raises(ValueError, match="not valid"):
         turbo_compress_kv_ref(_randn(1, 2, 64, 16, seed=0), 3)
+
+
+def _storages(ckv: CompressedKV, heads: list[int]) -> set[int]:
+    return {ckv.codes[h].untyped_storage().data_ptr() for h in heads}
+
+
+def test_each_widths_codes_are_views_of_one_tensor_through_maps():
+    """The reference stores a width's heads as views of one (B, H_w, N, ·) tensor, as the kernel does; a map of the
+    codes gets that tensor itself (no copy) and leaves its result so; heads held apart are stacked first."""
+    bits = (4, 2, 4, 4)
+    ckv, _ = turbo_compress_kv_ref(_randn(3, 4, 128, 32, seed=0), bits)
+    assert _storages(ckv, [0, 2, 3]) != _storages(ckv, [1]) and len(_storages(ckv, [0, 2, 3])) == 1
+    assert all(a.data_ptr() == c.data_ptr() for a, c in zip(map_width_codes(lambda g: g, ckv), ckv.codes))
+    idx = torch.tensor([2, 0])
+    for held in (ckv, dataclasses.replace(ckv, codes=tuple(c.clone() for c in ckv.codes))):
+        picked = map_width_codes(lambda g: g.index_select(0, idx), held)
+        assert all(torch.equal(p, c[idx]) for p, c in zip(picked, ckv.codes))
+        assert len({picked[h].untyped_storage().data_ptr() for h in (0, 2, 3)}) == 1
+        assert [p.data_ptr() - picked[0].data_ptr() for p in (picked[2], picked[3])] == [128 * 16, 2 * 128 * 16]
 
 
 # --------------------------------------------------------------------------- memory

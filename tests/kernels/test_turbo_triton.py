@@ -126,7 +126,8 @@ def test_compressed_codes_are_views_of_one_tensor_per_width():
     assert blocks.codes[0].shape == (1, 128, 32) and blocks.codes[1].shape == (1, 128, 16)
     assert _one_tensor(blocks.codes[0], blocks.codes[2])
     buffer = turbo_compress_kv_ref(x[..., :0, :], (4, 2, 4), buffer_scale=torch.ones(1, 3, 1, 1, device=DEVICE))[1]
-    for compress_int8 in (turbo_compress_int8_blocks, None):  # the kernel, the reference (one tensor per head)
+    assert _one_tensor(*turbo_compress_kv_ref(x.cpu(), (4, 2, 4))[0].codes[::2])  # and so does the reference
+    for compress_int8 in (turbo_compress_int8_blocks, None):  # the kernel, the reference
         kwargs = {} if compress_int8 is None else dict(compress_int8=compress_int8)
         grown = turbo_append_ref(blocks, buffer, torch.randn(1, 3, 64, 64, device=DEVICE), **kwargs)[0]
         assert grown.n_blocks == 3 and _one_tensor(grown.codes[0], grown.codes[2])

@@ -12,6 +12,7 @@ import quantpatch as qp
 from quantpatch.cli_commands import load_eval_script
 from quantpatch.head_precision import HeadPrecision, head_precision_of
 from quantpatch.kernels.turbo_kv.turbo_ref import (
+    bit_groups,
     head_priority,
     turbo_append_ref,
     turbo_compress_kv_ref,
@@ -100,20 +101,32 @@ def test_universal_buffer_scale_has_headroom_and_calibrated_floor():
     assert plain.clamped > 0 and plain.k_buffer.values.abs().max() == 119
 
 
+def _one_tensor_per_width(layer: TurboLayer) -> bool:
+    """Whether the codes of each width's heads are views of one tensor (as the decode kernels' REGULAR layout)."""
+    return all(len({blocks.codes[h].untyped_storage().data_ptr() for h in heads}) == 1
+               for blocks in (layer.k_blocks, layer.v_blocks) for _, heads in bit_groups(blocks.bits))
+
+
 def test_batch_reorder_select_and_repeat_act_on_every_tensor():
-    k, v = _randn(3, 2, 70, 64, seed=0), _randn(3, 2, 70, 64, seed=1)
-    layer = TurboLayer(2, 64, (4, 2))
+    k, v = _randn(3, 4, 70, 64, seed=0), _randn(3, 4, 70, 64, seed=1)
+    bits = (4, 2, 4, 2)
+    layer = TurboLayer(4, 64, bits)
     layer.update(k, v)
+    assert _one_tensor_per_width(layer)
     idx = torch.tensor([2, 0])
-    picked = TurboLayer(2, 64, (4, 2))
+    picked = TurboLayer(4, 64, bits)
     picked.update(k[idx], v[idx])
     layer.reorder_cache(idx)
     for a, b in zip(layer.dequantized(torch.float32), picked.dequantized(torch.float32)):
         assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(layer.k_blocks.codes, picked.k_blocks.codes))
+    assert _one_tensor_per_width(layer) and layer.nbytes() == picked.nbytes()
     layer.batch_repeat_interleave(2)
     assert layer.dequantized(torch.float32)[0].shape[0] == 4 and layer.batch == 4
+    assert _one_tensor_per_width(layer) and layer.nbytes() == 2 * picked.nbytes()
     layer.batch_select_indices(torch.tensor([1]))
     assert torch.equal(layer.dequantized(torch.float32)[0][0], picked.dequantized(torch.float32)[0][0])
+    assert _one_tensor_per_width(layer)
     with pytest.raises(NotImplementedError, match="cropped"):
         layer.crop(-1)
 
