@@ -23,7 +23,7 @@ from quantpatch.api import attention
 from quantpatch.config import AttentionConfig
 from quantpatch.crs import apply_online_crs, crs_buffers
 from quantpatch.dispatch import AttentionCall, speed_reason, speed_route
-from quantpatch.fallback import SiteRecord, fall_back, note_sdpa_route, running_site
+from quantpatch.fallback import SiteRecord, fall_back, running_site
 from quantpatch.patches.transformers.turbo_cache import (
     READS_TURBO_LAYERS,
     SITE_ATTR,
@@ -59,12 +59,17 @@ def original_attention(module: Any, impl: str) -> Callable:
 # ``position_bias`` (T5-style relative bias) is honoured instead: it is folded into an additive mask.
 REFUSED_INPUTS = {"s_aux": "attention sinks (s_aux)", "sinks": "attention sinks (sinks)", "alibi": "ALiBi bias (alibi)",
                   "head_mask": "a head mask (head_mask)"}
+# What a call can be refused for besides dropout (refused only while training): most calls pass none of these names
+_SCREENED_INPUTS = frozenset({"softcap", *REFUSED_INPUTS})
 
 
-def _unsupported(site: AttentionSite, module: Any, dropout: float, softcap: float | None, kwargs: dict) -> str | None:
-    if dropout and module.training:
+def _unsupported(site: AttentionSite, module: Any, kwargs: dict) -> str | None:
+    """Why our attention cannot honour a call with these keyword arguments (None: it can)."""
+    if module.training and kwargs.get("dropout"):
         return "attention dropout during training"
-    if softcap or site.softcap:
+    if site.softcap is None and _SCREENED_INPUTS.isdisjoint(kwargs):  # the usual call: one set test
+        return None
+    if kwargs.get("softcap") or site.softcap:
         return "attention logit softcapping"
     for name, what in REFUSED_INPUTS.items():
         value = kwargs.get(name)
@@ -107,37 +112,40 @@ def make_attention_function() -> Callable:
         key: torch.Tensor,
         value: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        dropout: float = 0.0,
-        scaling: float | None = None,
-        softcap: float | None = None,
-        is_causal: bool | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
+        # ``dropout``, ``scaling``, ``softcap`` and ``is_causal`` stay in ``kwargs``: the original attention gets the
+        # model's arguments as the model passed them, and a short call binds nothing it does not read
         site: AttentionSite | None = getattr(module, SITE_ATTR, None)
         turbo_layer = turbo_layer_for(module, key)  # key/value are placeholders of a compressed cache layer
-        reason = None if site is None or site.config is None else _unsupported(site, module, dropout, softcap, kwargs)
-        if site is None or site.config is None or reason:
+        config = None if site is None else site.config
+        reason = None if config is None else _unsupported(site, module, kwargs)
+        if config is None or reason:
             if reason:
                 with running_site(site.record):
                     fall_back(f"{site.record.name}", reason, strict=site.strict)
             if turbo_layer is not None:
                 key, value = turbo_layer.dequantized(query.dtype)
             impl = site.original if site else original_attention(module, "sdpa")
-            return impl(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                        softcap=softcap, is_causal=is_causal, **kwargs)
-        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        causal = bool(causal) and attention_mask is None and query.shape[2] > 1
-        position_bias = kwargs.get("position_bias")
-        if site.policy == "speed" and turbo_layer is None:
-            why = speed_reason(site.config, query.device, query.shape[-1], query.shape[2], key.shape[2], causal)
+            return impl(module, query, key, value, attention_mask, **kwargs)
+        shape = query.shape
+        nq = shape[2]
+        causal = attention_mask is None and nq > 1  # cheap tests first: a decode step never reads the flags
+        if causal:
+            is_causal = kwargs.get("is_causal")
+            causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        if turbo_layer is None and site.policy == "speed":
+            why = speed_reason(config, query.device, shape[-1], nq, key.shape[2], causal)
             if why is None:  # long enough: does a kernel take it (a mask, a position bias, a dtype)?
+                position_bias = kwargs.get("position_bias")
                 mask = attention_mask if position_bias is None else position_bias
-                _, _, why = speed_route(AttentionCall(query, key, value, site.config, causal, scaling, mask, False))
+                call = AttentionCall(query, key, value, config, causal, kwargs.get("scaling"), mask, False)
+                _, _, why = speed_route(call)
             if why is not None:  # the model's own attention: exactly its unpatched result and speed
-                note_sdpa_route(site.record, why)
-                return site.original(
-                    module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap,
-                    is_causal=is_causal, **kwargs)
+                site.record.count_sdpa(why)
+                return site.original(module, query, key, value, attention_mask, **kwargs)
+        scaling = kwargs.get("scaling")  # read here, not above: the short calls that end above never use them
+        position_bias = kwargs.get("position_bias")
         if causal and turbo_layer is None and query.shape[2] != key.shape[2]:
             key, value, attention_mask = _transformers_causal(query, key, value)
             causal = attention_mask is None

@@ -363,11 +363,12 @@ def no_leaks():
     assert _global_state() == before
 
 
-def test_patched_model_compiles_fullgraph_on_cpu(one_cpu_thread):
+@pytest.mark.parametrize("policy", ["always", "speed"])  # speed: the route to the model's own SDPA, traced
+def test_patched_model_compiles_fullgraph_on_cpu(one_cpu_thread, policy):
     model = tiny_model("llama")
     ids = torch.randint(3, 100, (1, 24), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
-    with qp.patch_model(model, "sage2-8b", policy="always"), torch.no_grad():
+    with qp.patch_model(model, "sage2-8b", policy=policy), torch.no_grad():
         eager = model(ids).logits
         compiled = torch.compile(model, fullgraph=True)(ids).logits
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)

@@ -20,6 +20,17 @@ def test_plain_causal_mask_is_skipped(q_length, kv_length):
     assert shape_skipping_mask(sdpa_mask)(**_args(q_length, kv_length)) is None
 
 
+@pytest.mark.parametrize("q_length, kv_length", [(3, 8), (1, 9)])  # a chunk (built by the original), a decode step
+def test_positional_arguments_are_read_by_their_names(q_length, kv_length):
+    args = _args(q_length, kv_length)
+    positional = [args.pop(name) for name in ("batch_size", "q_length", "kv_length")]
+    wrapped = shape_skipping_mask(sdpa_mask)(*positional, **args)
+    if q_length == 1:
+        assert wrapped is None
+    else:
+        assert torch.equal(wrapped, sdpa_mask(*positional, **{**args, "allow_is_causal_skip": False}))
+
+
 @pytest.mark.parametrize(
     "kw",
     [
