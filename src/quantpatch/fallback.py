@@ -28,13 +28,21 @@ class SiteRecord:
     range_checked: bool = False  # quantpatch.range_check sampled this site's inputs
 
     def count(self, route: str) -> None:
-        """One more call of this site took ``route`` (an implementation's name, or ``SDPA_ROUTE`` + why)."""
+        """One more call of this site took ``route`` (an implementation's name, or ``SDPA_ROUTE`` + why).
+
+        Not while ``torch.compile`` traces: a count read in a graph becomes a guard on its value, so every later call
+        of the compiled model would recompile (and ``fullgraph=True`` fail at the recompile limit). Calls that run a
+        compiled graph are therefore not counted."""
+        if torch.compiler.is_compiling():
+            return
         self.routes[route] = self.routes.get(route, 0) + 1
 
     def count_sdpa(self, why: str) -> None:
         """One more call of this site ran SDPA by policy, because of ``why`` (route ``SDPA_ROUTE + why``).
 
         The route string is made once per reason: joining and hashing it on every call cost ~0.1 µs."""
+        if torch.compiler.is_compiling():  # not counted in a graph (see count)
+            return
         route = _SDPA_ROUTES.get(why)
         if route is None:
             route = _SDPA_ROUTES[why] = SDPA_ROUTE + why

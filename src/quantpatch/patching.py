@@ -90,7 +90,8 @@ class PatchHandle:
 
     # -- report -------------------------------------------------------------------
     def report(self) -> str:
-        """Each patched site, what it now runs, and every fallback with its reason."""
+        """Each patched site, what it now runs, its calls per route (calls inside a ``torch.compile`` graph are not
+        counted) and every fallback with its reason."""
         lines = [f"quantpatch mode {self.mode.name!r} (policy {self.policy!r}) on {type(self.model).__name__} "
                  f"({'active' if self.active else 'removed'})"]
         for site in self.sites:

@@ -368,10 +368,15 @@ def test_patched_model_compiles_fullgraph_on_cpu(one_cpu_thread, policy):
     model = tiny_model("llama")
     ids = torch.randint(3, 100, (1, 24), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
-    with qp.patch_model(model, "sage2-8b", policy=policy), torch.no_grad():
+    with qp.patch_model(model, "sage2-8b", policy=policy) as handle, torch.no_grad():
         eager = model(ids).logits
-        compiled = torch.compile(model, fullgraph=True)(ids).logits
-    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+        counted = {site.name: dict(site.routes) for site in handle.sites}
+        compiled_model = torch.compile(model, fullgraph=True)
+        # past dynamo's recompile limit (8): the route counts must not make each call recompile
+        outputs = [compiled_model(ids).logits for _ in range(torch._dynamo.config.recompile_limit + 2)]
+        assert {site.name: dict(site.routes) for site in handle.sites} == counted  # graph calls are not counted
+    for compiled in outputs:
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
 
 
 def test_patching_twice_raises(no_leaks):

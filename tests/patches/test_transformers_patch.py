@@ -249,7 +249,9 @@ def test_patched_attention_adds_no_graph_breaks_around_a_kernel_op(monkeypatch, 
         explained = torch._dynamo.explain(model)(ids)
     del alive
     assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
-    assert all(site.implementations == {"stand-in"} for site in handle.sites)
+    # the graph runs the stand-in op at every site (calls inside a graph are not counted in the report)
+    targets = [str(node.target) for graph in explained.graphs for node in graph.graph.nodes]
+    assert sum("stand_in_attention" in t for t in targets) == len(handle.sites)
 
 
 def test_turbo_cache_imports_its_gpu_kernels_when_built(monkeypatch):
