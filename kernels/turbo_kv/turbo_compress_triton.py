@@ -19,6 +19,10 @@ Without step 1 (``turbo_compress_int8_blocks``, the full INT8 buffer of ``turbo_
 input is already on the INT8 grid and its block scale is given.
 
 Custom op ``quantpatch::turbo_compress`` (with ``register_fake``), launched on the current stream.
+
+A decode step that leaves the INT8 buffer short of a block only appends to it (:func:`turbo_append_buffer`, one
+launch): the buffered rows are copied, the new tokens quantized with the buffer's universal scale after them, and
+the values the clamp to ``±qmax`` cut are counted on the device, as ``turbo_append_ref`` and ``TurboLayer`` do.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..compiled_launch import LaunchPlans
 from ..rounding_triton import _rne
-from .turbo_ref import TURBO_BLOCK, TURBO_QMAX, CompressedKV, bit_groups, per_head_bits, width_views
+from .turbo_ref import TURBO_BLOCK, TURBO_QMAX, CompressedKV, Int8Buffer, bit_groups, per_head_bits, width_views
 
 KERNEL_BITS = (2, 4)  # code widths the kernels take (8-bit codes stay on the reference)
 
@@ -76,6 +81,38 @@ def _turbo_compress_kernel(
     sz_off = bht.to(tl.int64) * HEAD_DIM + chan
     tl.store(S_ptr + sz_off, s.to(tl.int8))
     tl.store(Z_ptr + sz_off, z.to(tl.int8))
+
+
+@triton.jit(do_not_specialize=["M"])  # M buffered tokens: 0 to block - 1 over a generation, one variant for all
+def _turbo_append_kernel(
+    X_ptr, stride_xb, stride_xh, stride_xn,
+    OLD_ptr, NEW_ptr, S_ptr, CLAMPED_ptr,
+    HKV, M, N_NEW,
+    HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, QMAX: tl.constexpr,
+):
+    """The INT8 buffer of head ``program_id(0) % HKV``, batch ``program_id(0) // HKV``: its ``M`` rows copied, then
+    ``clamp(rne(x / s), ±QMAX)`` of the ``N_NEW`` new rows; the count of ``|rne(x / s)| > QMAX`` added to
+    ``CLAMPED``. ``ROWS`` ≥ ``M + N_NEW``, a power of two."""
+    pid = tl.program_id(0)
+    b = pid // HKV
+    h = pid % HKV
+    rows = tl.arange(0, ROWS)
+    d = tl.arange(0, HEAD_DIM)
+    total = M + N_NEW
+    old = tl.load(OLD_ptr + (pid.to(tl.int64) * M + rows[:, None]) * HEAD_DIM + d[None, :], mask=rows[:, None] < M,
+                  other=0)
+    fresh = (rows >= M) & (rows < total)
+    x_ptrs = X_ptr + b.to(tl.int64) * stride_xb + h * stride_xh + (rows - M)[:, None] * stride_xn + d[None, :]
+    x = tl.load(x_ptrs, mask=fresh[:, None], other=0.0).to(tl.float32)
+    q = _rne(tl.math.div_rn(x, tl.load(S_ptr + pid)))
+    tl.atomic_add(CLAMPED_ptr, tl.sum(tl.sum(((tl.abs(q) > QMAX) & fresh[:, None]).to(tl.int32), 1), 0))
+    q = tl.minimum(tl.maximum(q, -QMAX * 1.0), QMAX * 1.0)
+    out = tl.where(fresh[:, None], q.to(tl.int8), old)
+    tl.store(NEW_ptr + (pid.to(tl.int64) * total + rows[:, None]) * HEAD_DIM + d[None, :], out,
+             mask=rows[:, None] < total)
+
+
+_APPEND = LaunchPlans(_turbo_append_kernel)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -194,4 +231,34 @@ def turbo_compress_int8_blocks(
     return _compressed(parts[:-1], bits, block, block_scale)
 
 
-__all__ = ["compress_unsupported", "turbo_compress_blocks", "turbo_compress_int8_blocks"]
+def append_unsupported(x: torch.Tensor, block: int) -> str | None:
+    """Why :func:`turbo_append_buffer` cannot take states shaped like ``x (B, Hkv, n, D)`` into buffers of ``block``
+    tokens (None if it can)."""
+    d = x.shape[-1]
+    if d < 16 or d > 256 or d & (d - 1) or block & (block - 1):
+        return f"head_dim {d} / block {block} not powers of two (head_dim in [16, 256])"
+    return None
+
+
+def turbo_append_buffer(x: torch.Tensor, buffer: Int8Buffer, clamped: torch.Tensor, *, block: int = TURBO_BLOCK,
+                        plan_key: tuple | None = None) -> Int8Buffer:
+    """``x (B, Hkv, n, D)`` (any float dtype, head_dim contiguous) appended to ``buffer`` (``Nb + n < block``):
+    the ``Int8Buffer`` of ``turbo_ref.turbo_append_ref`` when no block fills, byte for byte, in one launch, and
+    the number of new values beyond ``±qmax`` (before their clamp) added to ``clamped`` (int32 ``(1,)``, on the
+    device: no host sync). ``buffer.scale`` is ``(B, Hkv, 1, 1)`` float32; see also :func:`append_unsupported`.
+    ``plan_key``: the launch plan's key where the caller knows one (:class:`~quantpatch.kernels.compiled_launch.
+    LaunchPlans`); it must follow ``x``'s dtype, shape and strides."""
+    b, h, n, d = x.shape
+    m = buffer.n_tokens
+    if m + n >= block or x.stride(-1) != 1 or not buffer.values.is_contiguous() or not buffer.scale.is_contiguous():
+        raise ValueError(f"turbo_append_buffer: {m} buffered + {n} new tokens must stay short of a block ({block}), "
+                         "with head_dim contiguous and the buffer and its scale contiguous")
+    values = torch.empty((b, h, m + n, d), dtype=torch.int8, device=x.device)
+    _APPEND((b * h,),
+            (x, x.stride(0), x.stride(1), x.stride(2), buffer.values, values, buffer.scale, clamped, h, m, n),
+            dict(HEAD_DIM=d, ROWS=block, QMAX=buffer.qmax), plan_key=plan_key, num_warps=4)
+    return Int8Buffer(values=values, scale=buffer.scale, qmax=buffer.qmax)
+
+
+__all__ = ["append_unsupported", "compress_unsupported", "turbo_append_buffer", "turbo_compress_blocks",
+           "turbo_compress_int8_blocks"]

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import logging
 import sys
 import weakref
@@ -262,8 +263,10 @@ class TurboLayer(CacheLayerMixin):
         self.k_blocks = self.v_blocks = None
         self.k_buffer = self.v_buffer = None
         self.cumulative_length = 0
-        self._clamped: torch.Tensor | int = 0  # a device tensor once counting: no host sync per decode step
+        # int32 (1,) on the cache's device from the prefill on: counted there, no host sync per decode step
+        self._clamped: torch.Tensor | int = 0
         self._placeholders: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._append: Callable[[torch.Tensor, Int8Buffer], Int8Buffer] | None = None
 
     def __repr__(self) -> str:
         return (f"TurboLayer(layer {self.layer_idx}, {self.cumulative_length} tokens, K bits {list(self.k_bits)}, "
@@ -290,13 +293,20 @@ class TurboLayer(CacheLayerMixin):
             self.k_blocks, self.k_buffer = self._compress_prompt(key_states, self.k_bits, self.absmax_floor[0])
             self.v_blocks, self.v_buffer = self._compress_prompt(value_states, self.v_bits, self.absmax_floor[1])
             self.cumulative_length = key_states.shape[-2]
+            self._clamped = torch.zeros(1, dtype=torch.int32, device=key_states.device)
+            self._append = _buffer_appender(key_states, self._clamped, self.block)
             return key_states, value_states
-        for x, buf in ((key_states, self.k_buffer), (value_states, self.v_buffer)):
-            self._clamped = self._clamped + (torch.round(x.to(buf.scale.dtype) / buf.scale).abs() > buf.qmax).sum()
-        self.k_blocks, self.k_buffer = _compress(TurboCompressCall(key_states, self.k_bits, self.block, self.qmax,
-                                                                   self.k_blocks, self.k_buffer))
-        self.v_blocks, self.v_buffer = _compress(TurboCompressCall(value_states, self.v_bits, self.block, self.qmax,
-                                                                   self.v_blocks, self.v_buffer))
+        if (self._append is not None and self.k_buffer.n_tokens + key_states.shape[-2] < self.block
+                and key_states.stride(-1) == 1 and value_states.stride(-1) == 1):
+            self.k_buffer = self._append(key_states, self.k_buffer)  # counts its clamps on the device
+            self.v_buffer = self._append(value_states, self.v_buffer)
+        else:
+            for x, buf in ((key_states, self.k_buffer), (value_states, self.v_buffer)):
+                self._clamped.add_((torch.round(x.to(buf.scale.dtype) / buf.scale).abs() > buf.qmax).sum())
+            self.k_blocks, self.k_buffer = _compress(TurboCompressCall(key_states, self.k_bits, self.block, self.qmax,
+                                                                       self.k_blocks, self.k_buffer))
+            self.v_blocks, self.v_buffer = _compress(TurboCompressCall(value_states, self.v_bits, self.block,
+                                                                       self.qmax, self.v_blocks, self.v_buffer))
         self.cumulative_length += key_states.shape[-2]
         if direct:
             shape = (self.batch, self.kv_heads, self.cumulative_length, self.head_dim)
@@ -314,8 +324,9 @@ class TurboLayer(CacheLayerMixin):
         exists, the Gluon one after). For each length that ``turbo_decode_triton.decode_variant_blocks`` names (the
         shortest of each variant met from this layer's length on), a twin of this layer is filled with zeros (that
         many blocks and ``block − 1`` buffered tokens), attended once by a zero query token and given one more token,
-        which compresses a block as a decode step does; the twin is then dropped. Each (layout, length) is warmed
-        once per process; what the kernels decline is left to the first decode step (and its warning).
+        which compresses a block as a decode step does; the twin is then dropped. The one-launch buffer append of the
+        steps between (``_buffer_appender``) runs once on a zero token. Each (layout, length) is warmed once per
+        process; what the kernels decline is left to the first decode step (and its warning).
 
         Cost, once per process and layout: the compiles that the decode steps would otherwise pay, plus one twin per
         length (on an H200 at most four lengths of at most 17 blocks for batches 1-128; three, of at most 8 blocks, for
@@ -492,6 +503,26 @@ register("turbo_compress", "turbo", Implementation(REFERENCE, 0, lambda call: No
 on_kernels_import(TURBO_COMPRESS_MODULE, _register_compress_kernels)
 
 
+def _buffer_appender(x: torch.Tensor, clamped: torch.Tensor,
+                     block: int) -> Callable[[torch.Tensor, Int8Buffer], Int8Buffer] | None:
+    """How a layer's decode steps append to its INT8 buffer while it stays short of a block, decided at its prefill
+    on ``x`` (the prompt's K states): the compression kernels' one-launch append (``turbo_append_buffer``, clamps
+    counted into ``clamped``) for CUDA states it takes, else None (the ``turbo_compress`` op and a count of the
+    clamps, as on a block-filling step). Outside ``torch.compile`` only: a traced step takes the op."""
+    if not x.is_cuda or torch.compiler.is_compiling():
+        return None
+    load_kernels(TURBO_COMPRESS_MODULE)
+    kernels = sys.modules.get(TURBO_COMPRESS_MODULE)
+    if kernels is None or kernels.append_unsupported(x, block) is not None:
+        return None
+
+    def append(new: torch.Tensor, buf: Int8Buffer) -> Int8Buffer:
+        return kernels.turbo_append_buffer(new, buf, clamped, block=block,
+                                           plan_key=(new.dtype, new.shape, new.stride(), new.data_ptr() % 16))
+
+    return append
+
+
 def _compress(call: TurboCompressCall) -> tuple[CompressedKV, Int8Buffer]:
     """The ``(CompressedKV, Int8Buffer)`` of ``call``: the Triton kernel for CUDA states, the reference on the CPU or,
     with one warning, where the kernel declines."""
@@ -655,8 +686,10 @@ def turbo_layer_for(module: Any, key: torch.Tensor) -> TurboLayer | None:
     return layer
 
 
+@functools.lru_cache(maxsize=64)
 def cache_attention_config(cfg: AttentionConfig | None, block: int) -> AttentionConfig:
-    """The site's ``turbo`` numerics with Q quantized per token (Algorithm 2), checked against the cache block."""
+    """The site's ``turbo`` numerics with Q quantized per token (Algorithm 2), checked against the cache block
+    (cached: every decode step of every layer asks)."""
     cfg = decode_attention_config() if cfg is None else cfg.replace(qk_granularity="token")
     if block % cfg.block_k:
         raise ValueError(f"attention block_k={cfg.block_k} must divide the cache block n_b={block}: a key tile "

@@ -28,7 +28,11 @@ import pytest
 import torch
 
 from quantpatch.kernels.attention.attention_ref import attention_exact
-from quantpatch.kernels.turbo_kv.turbo_compress_triton import turbo_compress_blocks, turbo_compress_int8_blocks
+from quantpatch.kernels.turbo_kv.turbo_compress_triton import (
+    turbo_append_buffer,
+    turbo_compress_blocks,
+    turbo_compress_int8_blocks,
+)
 from quantpatch.kernels.turbo_kv.turbo_decode_triton import _WORKSPACES, decode_unsupported, turbo_decode_attention
 from quantpatch.kernels.turbo_kv.turbo_ref import (
     decode_attention_config,
@@ -110,6 +114,27 @@ def test_compression_is_byte_exact(n, d, bits, dtype):
     got = turbo_append_ref(*got, new, compress_int8=turbo_compress_int8_blocks)
     assert ref[0].n_blocks == got[0].n_blocks == (n + 70) // 64
     _assert_same_cache(ref, got)
+
+
+@pytest.mark.parametrize("m, n, dtype", [(0, 1, torch.float32), (37, 1, torch.bfloat16), (60, 3, torch.float16)])
+def test_buffer_append_is_byte_exact_and_counts_the_clamps(m, n, dtype):
+    """The one-launch append of decode tokens to a buffer short of a block: ``turbo_append_ref``'s buffer, and the
+    count of new values whose ``|rne(x / s)|`` the clamp to ``±qmax`` cuts (the universal scale is made small, so
+    the outliers clamp)."""
+    x = attention_inputs("outliers", batch=2, heads=3, seq_q=m + n, head_dim=64, seed=m)[1].to(DEVICE, dtype)
+    scale = x.float().abs().amax(dim=(-2, -1), keepdim=True) / (2 * 119)
+    blocks, buffer = turbo_compress_kv_ref(x[..., :m, :], (4, 2, 4), buffer_scale=scale)
+    new = x[..., m:, :]
+    clamped = torch.full((1,), 5, dtype=torch.int32, device=DEVICE)  # the count adds to what it holds
+    got = turbo_append_buffer(new, buffer, clamped)
+    ref_blocks, ref_buffer = turbo_append_ref(blocks, buffer, new)
+    assert ref_blocks.n_blocks == blocks.n_blocks == 0 and got.n_tokens == m + n
+    assert got.values.dtype == torch.int8 and torch.equal(got.values.cpu(), ref_buffer.values.cpu())
+    assert got.scale is buffer.scale and got.qmax == buffer.qmax
+    cut = int((torch.round(new.float() / scale).abs() > buffer.qmax).sum())
+    assert cut > 0 and int(clamped) == 5 + cut
+    with pytest.raises(ValueError, match="short of a block"):
+        turbo_append_buffer(torch.zeros(2, 3, 64 - m, 64, device=DEVICE, dtype=dtype), buffer, clamped)
 
 
 def _one_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
