@@ -192,11 +192,6 @@ def resolve_head_bits(
 # --------------------------------------------------------------------------- layer
 
 
-def _placeholder(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """A stride-0 NaN tensor of ``shape``: one element of storage, loud if anything but us reads it."""
-    return like.new_full((), float("nan")).expand(*shape)
-
-
 def _map_batch(obj: CompressedKV | Int8Buffer | None, fn: Callable[[torch.Tensor], torch.Tensor]):
     """Apply ``fn`` to every tensor of a cache part along its batch dim (to each code width's heads at once, so that
     they stay views of one tensor: ``turbo_ref.map_width_codes``)."""
@@ -266,6 +261,9 @@ class TurboLayer(CacheLayerMixin):
         # int32 (1,) on the cache's device from the prefill on: counted there, no host sync per decode step
         self._clamped: torch.Tensor | int = 0
         self._placeholders: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._nan: torch.Tensor | None = None  # the one element the placeholders expand
+        # (K blocks, V blocks, query layout, reason) of the decode kernel's last check (see _register_decode_kernels)
+        self.decode_checked: tuple | None = None
         self._append: Callable[[torch.Tensor, Int8Buffer], Int8Buffer] | None = None
 
     def __repr__(self) -> str:
@@ -310,7 +308,9 @@ class TurboLayer(CacheLayerMixin):
         self.cumulative_length += key_states.shape[-2]
         if direct:
             shape = (self.batch, self.kv_heads, self.cumulative_length, self.head_dim)
-            self._placeholders = (_placeholder(key_states, shape), _placeholder(value_states, shape))
+            if self._nan is None or self._nan.dtype != key_states.dtype or self._nan.device != key_states.device:
+                self._nan = key_states.new_full((), float("nan"))
+            self._placeholders = (self._nan.expand(*shape), self._nan.expand(*shape))
             return self._placeholders
         return self.dequantized(key_states.dtype)
 
@@ -738,7 +738,16 @@ def _register_decode_kernels(kernels: ModuleType) -> None:
             return Quiet("inputs are not CUDA tensors")
         if call.attn_mask is not None:
             return "attn_mask"
-        return kernels.decode_unsupported(call.query, *parts(call), call.cfg)
+        # checked once per (compressed blocks, query layout, numerics): the blocks change only when a buffer fills
+        # or the batch is mapped, and update() keeps both buffers short of a block and the cache non-empty
+        layer, query = call.layer, call.query
+        key = (query.shape, query.dtype, call.cfg)
+        checked = layer.decode_checked
+        if checked is not None and checked[0] is layer.k_blocks and checked[1] is layer.v_blocks and checked[2] == key:
+            return checked[3]
+        reason = kernels.decode_unsupported(query, *parts(call), call.cfg)
+        layer.decode_checked = (layer.k_blocks, layer.v_blocks, key, reason)
+        return reason
 
     def run(call: TurboDecodeCall) -> torch.Tensor:
         return kernels.turbo_decode_attention(call.query, *parts(call), cfg=call.cfg, is_causal=call.is_causal,
