@@ -37,7 +37,9 @@ Timing: a step or prefill is called ``--warmup`` times (the first call's output 
 ``--reps`` calls are timed with CUDA events, median reported. A decode row runs ``--warmup`` untimed
 ``generate()`` calls, then one timed ``generate()`` of ``--decode-tokens`` tokens; a logits processor marks each
 step with a CUDA event and forces the next token; ms/token is the median interval between steps (the prefill is
-not in it).
+not in it). ``--rounds R`` times every column of a row R times, the columns in turn (forward, then backward, ...),
+and reports each column's median over the rounds (``ms_rounds`` in the JSON): a host whose speed drifts within a
+run then weighs on every column alike. The output compared and the patch report are the first round's.
 
 ``--layers N`` (every row) or ``--layers ROW=N`` cuts a model to N transformer blocks (double / single stream
 models keep their 1:2 ratio), e.g. to fit the memory or the time; each row says what it ran. ``--quick``: every
@@ -520,17 +522,31 @@ def bench_rows(args: argparse.Namespace, write: Callable[[list[dict]], None], re
         call = make_call(row, spec, config, model, shape, device, dtype, args)
         ref = None
         logger.info("row %s (%s, %s)", row.name, row.what, cut or "all layers")
-        for column in columns_for(spec, args.modes, args.linear):
-            if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
-                results.append(base | {"column": column, "skipped": f"time budget ({args.budget_s:.0f} s) spent"})
-                continue
-            record, out = run_column(row, column, call, device, ref, args, model)
-            if column == BASELINE:
-                ref = out
-            record = base | record
+        columns = columns_for(spec, args.modes, args.linear)
+        records: dict[str, dict] = {}
+        for round_ in range(args.rounds):
+            for column in columns if round_ % 2 == 0 else columns[::-1]:
+                if round_ and "ms" not in records[column]:  # skipped in the first round: skipped
+                    continue
+                if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+                    if not round_:
+                        records[column] = base | {"column": column,
+                                                  "skipped": f"time budget ({args.budget_s:.0f} s) spent"}
+                    continue
+                record, out = run_column(row, column, call, device, ref if not round_ else None, args, model)
+                if round_ == 0 and column == BASELINE:
+                    ref = out
+                del out
+                if round_ == 0:
+                    records[column] = base | record | ({"ms_rounds": [record["ms"]]} if "ms" in record else {})
+                elif "ms" in record:
+                    records[column]["ms_rounds"].append(record["ms"])
+                logger.info("  %-12s %s", column, f"{record['ms']:.2f} ms" if "ms" in record else record.get("skipped"))
+        for column in columns:
+            record = records[column]
+            if "ms_rounds" in record:
+                record["ms"] = harness.median(record["ms_rounds"])
             results.append(record)
-            logger.info("  %-12s %s", column, f"{record['ms']:.2f} ms" if "ms" in record else record.get("skipped"))
-            del out
         del ref, call
         add_speedups(results)
         write(results)
@@ -622,6 +638,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed calls before the timed ones (a decode row: whole generate() calls)")
     p.add_argument("--reps", type=int, default=3, help="timed calls (step, prefill)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time each row's columns this many times, in turn; report each column's median")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens generate() makes in a decode row")
     p.add_argument("--budget-s", type=float, default=None, help="start no column after this many seconds")
     p.add_argument("--quick", action="store_true", help="2 blocks a model, 1 timed call, 8 decode tokens")
@@ -632,6 +650,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.quick:
         args.layers = ["2"] + [e for e in args.layers if "=" in e]
         args.reps, args.decode_tokens = 1, 8
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if args.decode_tokens < 3:
         p.error("--decode-tokens must be at least 3 (two decode steps to time)")
     layer_cuts(args.layers)  # validate now, not after the first rows

@@ -163,3 +163,27 @@ def test_merge_keeps_earlier_rows(bench, quick_run, tmp_path):
         "sdpa", "sdpa-cudnn", "sage2-8b", "diffusers-sage"}  # the re-run row replaces the merged one
     merged = result["machine"]["merged"]
     assert len(merged) == 1 and "wan-1.3b" not in merged[0]["rows"] and "flux-dev" in merged[0]["rows"]
+
+
+def test_rounds_time_every_column_in_turn_and_report_the_median(bench, tmp_path, monkeypatch):
+    """``--rounds 3``: each column is timed three times, the columns in turn (forward, backward, forward); its ms is
+    the median of the three, the CosSim the first round's."""
+    pytest.importorskip("matplotlib")
+    order, timings = [], iter(range(1, 100))
+
+    def fake_run_column(row, column, call, device, ref, args, model):
+        order.append(column)
+        out = torch.zeros(2)
+        return {"column": column, "ms": float(next(timings)), "finite": True}, out
+
+    monkeypatch.setattr(bench, "run_column", fake_run_column)
+    result = bench.main(["--device", "cpu", "--rows", "llama3-8b-prefill-8k-b1", "--modes", "sage2-8b",
+                         "--rounds", "3", "--out", str(tmp_path)])
+    columns = [bench.BASELINE, bench.CUDNN, "sage2-8b"]
+    assert order == columns + columns[::-1] + columns
+    rows = {r["column"]: r for r in result["rows"]}
+    assert rows[bench.BASELINE]["ms_rounds"] == [1.0, 6.0, 7.0] and rows[bench.BASELINE]["ms"] == 6.0
+    assert rows["sage2-8b"]["ms_rounds"] == [3.0, 4.0, 9.0] and rows["sage2-8b"]["ms"] == 4.0
+    assert rows["sage2-8b"]["speedup"] == 6.0 / 4.0
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--rounds", "0", "--out", str(tmp_path)])
