@@ -12,7 +12,10 @@ For B=4, H=32, D ∈ {64, 128}, N ∈ {1k … 32k}, causal and not, bf16 inputs:
 * ``sdpa-default`` / ``sdpa-flash`` / ``sdpa-cudnn``: ``F.scaled_dot_product_attention`` as PyTorch picks its
   backend / under ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` / ``(SDPBackend.CUDNN_ATTENTION)``;
 * ``sageattn``: upstream SageAttention's ``sageattn`` end to end, the strongest public peer, when the
-  ``sageattention`` package imports (its kernel alone is not timed: its internal launch API is not public).
+  ``sageattention`` package imports; its ``kernel`` row, on sm_90, times that package's sm_90 attention kernel
+  alone (``sm90_compile.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf``, the launch its
+  ``sageattn_qk_int8_pv_fp8_cuda_sm90`` makes) on operands its own quantization made once: per-thread INT8 Q/K with
+  K smoothed by its mean, V FP8 per channel padded to 128 keys, fp32+fp32 accumulation.
 
 ``--memory B H N D``: instead of timing, the peak extra GPU memory of one non-causal call from bf16 inputs at that
 shape, per mode and SDPA backend: the most allocated during the call above what was allocated before it (inputs
@@ -146,6 +149,35 @@ def peer_fn(is_causal: bool):
     return (lambda q, k, v: sageattn(q, k, v, tensor_layout="HND", is_causal=is_causal)), ""
 
 
+def peer_kernel_fn(sets: list, is_causal: bool):
+    """Upstream SageAttention's sm_90 kernel alone over each input set, quantized once by the package's own
+    functions as its ``sageattn_qk_int8_pv_fp8_cuda_sm90`` quantizes (``(B, H, N, D)`` bf16, ``D`` 64 or 128):
+    ``(i -> o, "")``, or None with the reason where the package or its sm_90 extension does not import."""
+    try:
+        from sageattention import sm90_compile
+        from sageattention.quant import per_channel_fp8
+        from sageattention.triton.quant_per_thread import per_thread_int8
+    except ImportError as err:
+        return None, f"sageattention's sm_90 kernel not importable ({err})"
+    launches = []
+    for q, k, v in sets:
+        q8, qs, k8, ks = per_thread_int8(q, k, k.mean(dim=2, keepdim=True), tensor_layout="HND", BLKQ=64, WARPQ=16,
+                                         BLKK=128, WARPK=128)
+        pad = -k.shape[2] % 128
+        v8, vs, _ = per_channel_fp8(torch.nn.functional.pad(v, (0, 0, 0, pad)) if pad else v, tensor_layout="HND",
+                                    smooth_v=False)
+        launches.append((q8, k8, v8, torch.empty_like(q), qs, ks, vs))
+    scale = q.shape[-1] ** -0.5
+
+    def run(i):  # layout 1 = HND, granularity 3 = per thread, no LSE
+        q8, k8, v8, o, qs, ks, vs = launches[i]
+        sm90_compile.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(q8, k8, v8, o, qs, ks, vs, 1, int(is_causal),
+                                                                         3, scale, 0)
+        return o
+
+    return run, ""
+
+
 def speed_rows(args) -> list[dict]:
     import quantpatch as qp
     from quantpatch.kernels.attention import fast_paths
@@ -177,6 +209,15 @@ def speed_rows(args) -> list[dict]:
             logger.info("no %s row: %s", PEER, why_not)
         else:
             add(PEER, "e2e", bench(lambda i: peer(*sets[i]), n_sets, args.warmup, args.rep))
+            peer_kernel, why_not = peer_kernel_fn(sets, causal)
+            if peer_kernel is None:
+                logger.info("no %s kernel row: %s", PEER, why_not)
+            else:
+                try:
+                    add(PEER, "kernel", bench(peer_kernel, n_sets, args.warmup, args.rep))
+                except (RuntimeError, TypeError) as err:  # an upstream version whose launch differs: say so, go on
+                    logger.warning("%s kernel failed at D=%d N=%d: %s", PEER, d, n, err)
+            peer_kernel = None
         for mode in args.modes:
             cfg = mode_config(mode)
             opts, extra = fast_paths.prefill_options(  # as the e2e call has them
