@@ -123,15 +123,21 @@ def _heads_tensor(heads: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(heads, dtype=torch.int32, device=device)
 
 
-def compress_unsupported(x: torch.Tensor, bits: Sequence[int], block: int) -> str | None:
-    """Why the compression kernel cannot take ``x (B, Hkv, N, D)`` (None if it can)."""
-    d = x.shape[-1]
-    if any(w not in KERNEL_BITS for w in bits):
-        return f"code widths {sorted(set(bits))} (the kernel packs {list(KERNEL_BITS)})"
+def _tile_unsupported(d: int, block: int) -> str | None:
+    """Why the kernels here cannot tile a head_dim ``d`` and a cache block of ``block`` tokens (None if they can)."""
     if d < 16 or d > 256 or d & (d - 1):
         return f"head_dim {d} is not a power of two in [16, 256]"
     if block < 16 or block & (block - 1):
         return f"block {block} is not a power of two >= 16"
+    return None
+
+
+def compress_unsupported(x: torch.Tensor, bits: Sequence[int], block: int) -> str | None:
+    """Why the compression kernel cannot take ``x (B, Hkv, N, D)`` (None if it can)."""
+    if any(w not in KERNEL_BITS for w in bits):
+        return f"code widths {sorted(set(bits))} (the kernel packs {list(KERNEL_BITS)})"
+    if (reason := _tile_unsupported(x.shape[-1], block)) is not None:
+        return reason
     if x.stride(-1) != 1:
         return "head_dim is not the contiguous dimension"
     return None
@@ -234,10 +240,7 @@ def turbo_compress_int8_blocks(
 def append_unsupported(x: torch.Tensor, block: int) -> str | None:
     """Why :func:`turbo_append_buffer` cannot take states shaped like ``x (B, Hkv, n, D)`` into buffers of ``block``
     tokens (None if it can)."""
-    d = x.shape[-1]
-    if d < 16 or d > 256 or d & (d - 1) or block & (block - 1):
-        return f"head_dim {d} / block {block} not powers of two (head_dim in [16, 256])"
-    return None
+    return _tile_unsupported(x.shape[-1], block)
 
 
 def turbo_append_buffer(x: torch.Tensor, buffer: Int8Buffer, clamped: torch.Tensor, *, block: int = TURBO_BLOCK,
