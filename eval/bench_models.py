@@ -30,8 +30,9 @@ package is importable (skipped with a note otherwise). Each column gives ``ms`` 
 step, the same tokens forced into every column so that the steps stay comparable). A mode is applied with
 ``quantpatch.patch_model(model, mode)`` and removed with ``handle.remove()`` before the next column; the
 handle's report (what each attention site ran, its fallbacks and remarks) is stored in the JSON. Under
-``turbo``, ``generate()`` builds quantpatch's ``TurboCache`` (compressed KV cache) by itself; the other
-columns decode with Transformers' default ``DynamicCache``.
+``turbo``, ``generate()`` builds quantpatch's ``TurboCache`` (compressed KV cache) by itself where the call's
+batch × context passes the turbo-cache crossover of ``policy="speed"`` (every call under ``--policy always``);
+the other columns decode with Transformers' default ``DynamicCache``.
 
 Timing: a step or prefill is called ``--warmup`` times (the first call's output is the one compared), then
 ``--reps`` calls are timed with CUDA events, median reported. A decode row runs ``--warmup`` untimed

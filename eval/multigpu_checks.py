@@ -8,7 +8,8 @@ from the public configs of ``bench_models.py`` (no download), identical on both 
   (``ContextParallelConfig(ulysses_degree=2)``, ``ring_degree=2``): CosSim to the one-GPU output, Ulysses' speedup.
 * ``tp``: a Llama-3-8B-shaped model (``--llama-layers`` of its 32 layers), saved once and loaded with
   ``from_pretrained(..., tp_plan="auto")``: last-token logits of a ``--prompt``-token prefill patched (sage2-8b,
-  policy always) vs unpatched TP; greedy ``generate()`` under ``patch_model(model, "turbo")`` (its TurboCache).
+  policy always) vs unpatched TP; greedy ``generate()`` under ``patch_model(model, "turbo", policy="always")``
+  (its TurboCache).
 * ``device_map``: the same Llama loaded by rank 0 alone with ``device_map="auto"`` and a ``max_memory`` that forces
   a split over cuda:0 / cuda:1 (cuda:0 stays current): patched logits vs the same patched model on one GPU and vs
   unpatched; with ``tp``, the patched TP logits vs the same patched model on one GPU too.
@@ -170,7 +171,7 @@ def check_tp(args, path: str, device: torch.device) -> tuple[list[dict], tuple[t
     log(f"tp: CosSim {cos:.6f}, routes {r}")
     rows = [row(f"{args.llama_name} tp 2, {args.prompt} tokens: last-token logits vs unpatched TP",
                 round(cos, 6), f">= {COS_TP}, quantized", cos >= COS_TP and quantized_calls(r) > 0, json.dumps(r))]
-    with torch.no_grad(), qp.patch_model(model, "turbo") as handle:
+    with torch.no_grad(), qp.patch_model(model, "turbo", policy="always") as handle:  # the TurboCache at any size
         short = prompt(args.generate_prompt, device, vocab)
         t0 = time.perf_counter()
         generated = model.generate(short, max_new_tokens=args.new_tokens, do_sample=False)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
+import inspect
 import logging
 import sys
 import weakref
@@ -60,6 +61,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from quantpatch import routing
 from quantpatch.config import AttentionConfig, KVCacheConfig, ModeConfig
 from quantpatch.dispatch import (
     REFERENCE,
@@ -794,6 +796,39 @@ def turbo_cache_attention(
 # --------------------------------------------------------------------------- generate hook
 
 
+def planned_kv_tokens(args: tuple, kwargs: dict, gen_config: Any) -> tuple[int, int]:
+    """``(sequences, tokens a sequence)`` that a ``generate(*args, **kwargs)`` call's cache will hold: the prompt's
+    batch (times the beams, or the returned sequences when sampling) and its length plus the new tokens
+    (``max_new_tokens``, else ``max_length``)."""
+    ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    batch, prompt = (ids.shape[0], ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else (1, 1)
+
+    def option(name: str, default: Any) -> Any:
+        value = kwargs.get(name, getattr(gen_config, name, None))
+        return default if value is None else value
+
+    beams = option("num_beams", 1)
+    sequences = batch * (beams if beams > 1 else option("num_return_sequences", 1))
+    new = option("max_new_tokens", None)
+    return sequences, prompt + new if new is not None else max(option("max_length", 20), prompt)
+
+
+def _turbo_cache_slower(model: Any, args: tuple, kwargs: dict, gen_config: Any) -> str | None:
+    """Why a ``generate()`` call should keep the model's own cache under ``policy="speed"`` (its batch × context
+    is below where the turbo cache measured faster on this device, :func:`quantpatch.routing.turbo_cache_crossover`),
+    or None where the TurboCache pays."""
+    device = next(model.parameters()).device
+    crossover, source = routing.turbo_cache_crossover(device)
+    sequences, tokens = planned_kv_tokens(args, kwargs, gen_config)
+    if crossover is None:
+        return f"the turbo cache was not faster at any measured size ({source})"
+    if sequences * tokens < crossover:
+        return f"{sequences} × {tokens} KV tokens a layer, under the crossover of {crossover} ({source})"
+    return None
+
+
 def install_generate_hook(
     model: Any,
     handle: Any,
@@ -802,11 +837,14 @@ def install_generate_hook(
     *,
     strict: bool = False,
 ) -> None:
-    """Make ``model.generate`` build a :class:`TurboCache` when the caller passes no cache.
+    """Make ``model.generate`` build a :class:`TurboCache` when the caller passes no cache; under
+    ``handle.policy == "speed"`` only where the call's batch × context passes the turbo-cache crossover (the
+    handle's ``generate`` site counts each call's choice and why).
 
     Per instance: ``model.generate`` is shadowed through ``handle.setattr``, so ``handle.remove()``
-    restores it. The cache goes in through ``generate``'s official ``past_key_values`` argument; an
-    explicit ``past_key_values``, ``cache_implementation`` or ``use_cache=False`` is left alone (a
+    restores it. The cache goes in through ``generate``'s official cache argument (``cache``, or
+    ``past_key_values`` before Transformers deprecated it); an explicit cache, ``cache_implementation``
+    or ``use_cache=False`` is left alone (a
     TurboCache built for another model raises). ``head_bits`` default: the widths a
     ``convert(mode="turbo")`` or a loaded turbo checkpoint left on the model; without any, every head
     is stored in ``config.bits`` and the handle's remarks say so. A model the cache cannot serve
@@ -831,18 +869,29 @@ def install_generate_hook(
         handle.remarks.append(message + "; generate() keeps the model's own cache")
         logger.warning(message)
         return
-    handle.remarks.append(f"KV cache: generate() uses a TurboCache, {what}")
+    handle.remarks.append(f"KV cache: generate() uses a TurboCache, {what}"
+                          + (" where batch × context passes the turbo-cache crossover" if handle.policy == "speed"
+                             else ""))
+    record = handle.add_site("generate", "kv cache", f"TurboCache ({what})")
     original = model.generate
+    # the cache argument's name: ``cache`` from Transformers 5.2x on (``past_key_values`` deprecated), before it
+    # ``past_key_values``
+    argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def generate(*args: Any, **kwargs: Any):
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         gen_config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
         wants_cache = kwargs.get("use_cache", getattr(gen_config, "use_cache", True)) is not False
         chosen = kwargs.get("cache_implementation") or getattr(gen_config, "cache_implementation", None)
         if isinstance(cache, TurboCache):
             cache.check_model(model)
         elif cache is None and wants_cache and chosen is None:
-            kwargs["past_key_values"] = TurboCache(model, config, head_bits)
+            slower = _turbo_cache_slower(model, args, kwargs, gen_config) if handle.policy == "speed" else None
+            if slower is None:
+                kwargs[argument] = TurboCache(model, config, head_bits)
+                record.count("turbo cache")
+            else:
+                record.count("model's own cache: " + slower)
         return original(*args, **kwargs)
 
     generate.__doc__ = original.__doc__

@@ -175,7 +175,7 @@ def patch_model(
 
     try:
         patch_for(model)(model, config, handle, strict=strict, include=include, exclude=exclude)
-        unknown = set(handle.overrides) - {site.name for site in handle.sites}
+        unknown = set(handle.overrides) - {site.name for site in handle.sites if site.kind != "kv cache"}
         if unknown:
             raise ValueError(
                 f"overrides name unknown sites {sorted(unknown)}; sites are {[s.name for s in handle.sites]}"

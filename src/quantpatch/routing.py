@@ -10,6 +10,11 @@ cross-attention over a few hundred text tokens, run SDPA.
 Tables ship per architecture (:data:`SHIPPED`, measured with :func:`tune` on an H100/H200);
 ``quantpatch tune`` re-measures them on the user's GPU and writes :func:`user_table_path`, which
 then takes precedence.
+
+One more entry, :data:`TURBO_CACHE`, is the turbo mode's decode cache: the batch × context (KV tokens a
+layer) from which eager ``generate()`` with the compressed cache took fewer ms per token than with the
+model's own cache. It comes from model-level decode runs, not from :func:`tune`; a tuned table without it
+keeps the shipped value.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ TABLE_VERSION = 1
 TUNE_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 TUNE_HEAD_DIMS = (64, 128)
 TUNE_MODES = ("sage2-8b", "sage2-4b", "int8-flash", "fireq", "turbo")
+
+
+TURBO_CACHE = "turbo-cache/kv-tokens"
 
 
 def speed_key(cfg: AttentionConfig) -> str:
@@ -68,6 +76,11 @@ SHIPPED: dict[str, dict[str, int | None]] = {
         entry_key("turbo", 64, True): None,
         entry_key("turbo", 128, False): None,
         entry_key("turbo", 128, True): None,
+        # Llama-3-8B shape, 16 layers, random weights, median ms per generate() step after a synchronize, own cache →
+        # turbo (H200, commit 884f228): B×N = 1×4k 12.7 → 20.1, 8×8k 12.5 → 16.7, 2×16k 15.0 → 17.4, 8×16k 13.0 →
+        # 28.7, 1×32k 18.1 → 15.4 (fastest steps 12.5 → 14.7), 4×32k 23.2 → 21.3 (12.9 → 17.3), 8×32k 18.4 → 16.2;
+        # only 8×32k won on its fastest steps too
+        TURBO_CACHE: 8 * 32768,
     },
 }
 
@@ -114,6 +127,22 @@ def table_for(architecture: str) -> tuple[dict[str, int | None] | None, str]:
                 logger.warning("%s; using the %s", err, source)
         _TABLES[architecture] = (table, source)
     return _TABLES[architecture]
+
+
+def turbo_cache_crossover(device: torch.device) -> tuple[int | None, str]:
+    """``(KV tokens a layer from which the turbo cache pays on device, where that came from)``: the
+    :data:`TURBO_CACHE` entry of the device's table (the shipped one where a tuned table lacks it); None where the
+    device has no table (a CPU, a GPU without one)."""
+    if device.type != "cuda":
+        return None, f"no crossover table for {device.type}"
+    architecture = arch(device)
+    table, source = table_for(architecture)
+    if table is not None and TURBO_CACHE in table:
+        return table[TURBO_CACHE], source
+    shipped = SHIPPED.get(architecture)
+    if shipped is None:
+        return None, f"no crossover table for {architecture}"
+    return shipped.get(TURBO_CACHE), f"shipped {architecture} table"
 
 
 def forget_tables() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import pytest
@@ -253,7 +254,7 @@ def test_calibrate_convert_save_load_carry_the_head_bits_to_generate(tmp_path, n
     qp.save(model, tmp_path)
     stored = json.loads((tmp_path / "quantpatch_config.json").read_text())["attention"]["model.layers.0.self_attn"]
     assert (stored["kv"], stored["k_bits"], stored["v_bits"]) == ("turbo", list(hp.k_bits[0]), list(hp.v_bits[0]))
-    loaded = qp.load(tmp_path, patch_attention=True)
+    loaded = qp.load(tmp_path, patch_attention=True, policy="always")  # the TurboCache on the CPU too
     try:
         assert head_precision_of(loaded).k_bits == hp.k_bits
         ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(9))
@@ -318,10 +319,50 @@ def test_patch_model_turbo_makes_generate_use_a_turbocache(no_leaks):
         assert "generate() uses a TurboCache, every KV head at 4 bits" in handle.report()
         mine = TurboCache(model)
         assert model.generate(ids, past_key_values=mine, **kw).past_key_values is mine
+        if "cache" in inspect.signature(model.forward).parameters:  # Transformers' later name of that argument
+            theirs = TurboCache(model)
+            assert model.generate(ids, cache=theirs, **kw).past_key_values is theirs
         unpatched_cache = model.generate(ids, use_cache=True, cache_implementation="dynamic", **kw).past_key_values
         assert not isinstance(unpatched_cache, TurboCache)
     assert "generate" not in vars(model)
     assert not isinstance(model.generate(ids, **kw).past_key_values, TurboCache)
+
+
+def test_speed_policy_builds_the_turbocache_only_past_its_crossover(monkeypatch, no_leaks):
+    from quantpatch import routing
+
+    model = _tiny_llama(num_key_value_heads=2)
+    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+    long, short = (torch.randint(3, 128, (b, 70), generator=torch.Generator().manual_seed(b)) for b in (2, 1))
+    with qp.patch_model(model, "turbo") as handle:  # the CPU has no crossover table: the model's own cache
+        assert not isinstance(model.generate(long, **kw).past_key_values, TurboCache)
+        assert "1 calls: model's own cache: the turbo cache was not faster at any measured size (no crossover " \
+               "table for cpu)" in handle.report()
+    monkeypatch.setattr(routing, "turbo_cache_crossover", lambda device: (150, "a test table"))
+    with qp.patch_model(model, "turbo") as handle:
+        assert isinstance(model.generate(long, **kw).past_key_values, TurboCache)  # 2 × 76 KV tokens ≥ 150
+        assert not isinstance(model.generate(short, **kw).past_key_values, TurboCache)  # 1 × 76
+        assert isinstance(model.generate(short, num_beams=2, **kw).past_key_values, TurboCache)  # 2 beams × 76
+        report = handle.report()
+        assert "2 calls: turbo cache" in report
+        assert "1 calls: model's own cache: 1 × 76 KV tokens a layer, under the crossover of 150 (a test table)" \
+            in report
+    with qp.patch_model(model, "turbo", policy="always"):
+        assert isinstance(model.generate(short, **kw).past_key_values, TurboCache)
+
+
+@pytest.mark.parametrize("args, kwargs, expected", [
+    ((torch.zeros(3, 10, dtype=torch.long),), dict(max_new_tokens=5), (3, 15)),
+    ((), dict(input_ids=torch.zeros(1, 10, dtype=torch.long), max_length=64), (1, 64)),
+    ((), dict(inputs=torch.zeros(2, 30, dtype=torch.long), num_beams=4, max_new_tokens=2), (8, 32)),
+    ((), dict(inputs_embeds=torch.zeros(2, 7, 16), num_return_sequences=3, do_sample=True), (6, 20)),
+])
+def test_planned_kv_tokens_reads_the_prompt_and_the_generation_options(args, kwargs, expected):
+    from transformers import GenerationConfig
+
+    from quantpatch.patches.transformers.turbo_cache import planned_kv_tokens
+
+    assert planned_kv_tokens(args, kwargs, GenerationConfig()) == expected
 
 
 def test_turbocache_works_under_any_attention_through_dequantization():

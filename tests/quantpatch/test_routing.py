@@ -63,6 +63,24 @@ def test_a_tuned_user_table_takes_precedence(tmp_path):
     assert str(path) in dispatch.speed_reason(SAGE, CUDA, 128, 1024, 1024, False)
 
 
+def test_turbo_cache_crossover_is_shipped_kept_from_a_tuned_table_or_absent():
+    assert routing.turbo_cache_crossover(CUDA) == (8 * 32768, "shipped sm_90 table")
+    assert routing.turbo_cache_crossover(torch.device("cpu")) == (None, "no crossover table for cpu")
+    path = routing.user_table_path("sm_90")
+    path.parent.mkdir(parents=True)
+    key = routing.entry_key("sage2", 128, False)
+    path.write_text(json.dumps({"version": routing.TABLE_VERSION, "crossovers": {key: 2048}}))  # tune's output
+    assert routing.turbo_cache_crossover(CUDA) == (8 * 32768, "shipped sm_90 table")
+    path.write_text(json.dumps({"version": routing.TABLE_VERSION, "crossovers": {routing.TURBO_CACHE: 4096}}))
+    routing.forget_tables()
+    assert routing.turbo_cache_crossover(CUDA) == (4096, str(path))
+
+
+def test_turbo_cache_crossover_of_an_unmeasured_architecture_is_none(monkeypatch):
+    monkeypatch.setattr(routing, "arch", lambda device: "sm_80")
+    assert routing.turbo_cache_crossover(CUDA) == (None, "no crossover table for sm_80")
+
+
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 99, "crossovers": {}}),
                                      json.dumps({"version": 1, "crossovers": {"sage2/d128/full": -4}})])
 def test_a_malformed_user_table_warns_and_the_shipped_one_serves(content, caplog):
@@ -129,7 +147,10 @@ def test_patched_model_on_cpu_is_bitwise_unpatched_and_reports_its_routes(mode):
             model(ids[:, :10])
     assert torch.equal(out, ref)
     for site in handle.sites:
-        assert site.routes == {"sdpa: SDPA is faster than the PyTorch reference off the GPU": 2}
+        if site.kind == "attention":  # (turbo's generate site counts generate() calls: none here)
+            assert site.routes == {"sdpa: SDPA is faster than the PyTorch reference off the GPU": 2}
+        else:
+            assert (site.kind, site.routes) == ("kv cache", {})
     assert "2 calls: sdpa: SDPA is faster" in handle.report() and "policy 'speed'" in handle.report()
 
 
