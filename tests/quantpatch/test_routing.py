@@ -63,6 +63,15 @@ def test_a_tuned_user_table_takes_precedence(tmp_path):
     assert str(path) in dispatch.speed_reason(SAGE, CUDA, 128, 1024, 1024, False)
 
 
+def test_the_shipped_sm90_table_is_the_measured_one():
+    from pathlib import Path
+
+    measured = Path(__file__).resolve().parents[2] / "eval/results/tune/crossovers-sm_90.json"
+    shipped = dict(routing.SHIPPED["sm_90"])
+    assert shipped.pop(routing.TURBO_CACHE) == 8 * 32768  # from model-level decode runs (its comment), not tune
+    assert shipped == routing.read_table(measured)
+
+
 def test_turbo_cache_crossover_is_shipped_kept_from_a_tuned_table_or_absent():
     assert routing.turbo_cache_crossover(CUDA) == (8 * 32768, "shipped sm_90 table")
     assert routing.turbo_cache_crossover(torch.device("cpu")) == (None, "no crossover table for cpu")
