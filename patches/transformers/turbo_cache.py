@@ -821,9 +821,9 @@ def _turbo_cache_slower(model: Any, args: tuple, kwargs: dict, gen_config: Any) 
     or None where the TurboCache pays."""
     device = next(model.parameters()).device
     crossover, source = routing.turbo_cache_crossover(device)
-    sequences, tokens = planned_kv_tokens(args, kwargs, gen_config)
     if crossover is None:
         return f"the turbo cache was not faster at any measured size ({source})"
+    sequences, tokens = planned_kv_tokens(args, kwargs, gen_config)
     if sequences * tokens < crossover:
         return f"{sequences} × {tokens} KV tokens a layer, under the crossover of {crossover} ({source})"
     return None

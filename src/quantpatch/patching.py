@@ -175,11 +175,10 @@ def patch_model(
 
     try:
         patch_for(model)(model, config, handle, strict=strict, include=include, exclude=exclude)
-        unknown = set(handle.overrides) - {site.name for site in handle.sites if site.kind != "kv cache"}
+        attention_sites = [site.name for site in handle.sites if site.kind == "attention"]  # what overrides tune
+        unknown = set(handle.overrides) - set(attention_sites)
         if unknown:
-            raise ValueError(
-                f"overrides name unknown sites {sorted(unknown)}; sites are {[s.name for s in handle.sites]}"
-            )
+            raise ValueError(f"overrides name unknown sites {sorted(unknown)}; sites are {attention_sites}")
         if config.linear.kind == "fp8":
             from quantpatch.patches.linears import patch_linears
 

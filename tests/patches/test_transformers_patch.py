@@ -113,6 +113,8 @@ def test_per_site_overrides_apply_and_unknown_ones_raise(no_leaks):
     assert sites["model.layers.1.self_attn"].qk_format == "int8"
     with pytest.raises(ValueError, match="overrides name unknown sites"):
         qp.patch_model(model, "sage2-4b", overrides={"model.layers.9.self_attn": {"smooth_q": False}}, policy="always")
+    with pytest.raises(ValueError, match="overrides name unknown sites"):  # turbo's generate site is no attention
+        qp.patch_model(model, "turbo", overrides={"generate": {"smooth_q": False}}, policy="always")
     with pytest.raises(ValueError, match="unknown AttentionConfig option"):
         qp.patch_model(model, "sage2-4b", overrides={"model.layers.0.self_attn": {"smoothing": False}}, policy="always")
     assert not hasattr(model, "_quantpatch_handle")
