@@ -63,11 +63,10 @@ from .quant_attn_triton import LOG2E
 BLOCK_M = 64  # query rows of a program (one warpgroup, wgmma M)
 HEAD_DIMS = (64, 128)
 DEFAULT_STAGES = 2  # K/Vᵀ ring depth
-# ptxas register cap by (head_dim, per-token scales): three programs an SM at D=128 (uncapped, causal programs took
-# 197 registers, two an SM, and ran 0.85–0.90× as fast at 16k–32k keys; H200), four at D=64 with per-thread groups
-# (uncapped: 145 registers non-causal, 163 causal; capped, no spills); int8-flash's causal D=64 program spills at
-# 128, so D=64 int8-flash stays uncapped
-MAXNREG = {(64, False): 128, (64, True): None, (128, False): 168, (128, True): 168}
+# ptxas register cap by head_dim: three programs an SM at D=128 (uncapped, causal programs took 197 registers, two an
+# SM, and ran 0.85–0.90× as fast at 16k–32k keys; H200), four at D=64 (uncapped, sage2 took 145 registers non-causal
+# and 163 causal, int8-flash's causal program 212, which ran 0.87× as fast; capped, no spills with Triton 3.6)
+MAXNREG = {64: 128, 128: 168}
 
 
 @gluon.jit
@@ -287,11 +286,9 @@ def _attn_sm90_kernel(
 _LAUNCH = LaunchPlans(_attn_sm90_kernel)
 
 
-def compile_options(head_dim: int, token_scales: bool) -> dict:
-    """The kernel's launch options: 4 warps, and the register cap of :data:`MAXNREG` (``token_scales``: int8-flash's
-    per-token K scales)."""
-    maxnreg = MAXNREG[head_dim, token_scales]
-    return dict(num_warps=4, maxnreg=maxnreg) if maxnreg else dict(num_warps=4)
+def compile_options(head_dim: int) -> dict:
+    """The kernel's launch options: 4 warps, and the register cap of :data:`MAXNREG`."""
+    return dict(num_warps=4, maxnreg=MAXNREG[head_dim])
 
 
 def attn_qk_int8_pv_fp8_sm90(
@@ -347,6 +344,6 @@ def attn_qk_int8_pv_fp8_sm90(
          nq, nk, nk_pad, h, h // hkv, scale * LOG2E),
         dict(HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=is_causal, SMOOTH_V=x.v_mean.numel() > 0,
              RETURN_LSE=return_lse, TOKEN_SCALES=qk_granularity == "token", PV_INT8=pv_int8),
-        **compile_options(d, qk_granularity == "token"),
+        **compile_options(d),
     )
     return o, lse

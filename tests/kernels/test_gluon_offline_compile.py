@@ -59,7 +59,7 @@ def _attention(head_dim: int, causal: bool, int8_flash: bool):
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=owg.DEFAULT_STAGES, CAUSAL=causal, SMOOTH_V=False,
                       RETURN_LSE=True, TOKEN_SCALES=int8_flash, PV_INT8=int8_flash)
     aligned = [n for n in kernel.arg_names if n.endswith("_ptr")] + ["stride_ob", "stride_oh", "stride_om", "NK_PAD"]
-    return _sm90(kernel, types, constexprs, aligned, owg.compile_options(head_dim, int8_flash))
+    return _sm90(kernel, types, constexprs, aligned, owg.compile_options(head_dim))
 
 
 def _turbo_decode(splits: int):
