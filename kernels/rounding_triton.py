@@ -1,6 +1,6 @@
 """Triton device functions that round as the PyTorch references do, shared by every op's Triton kernels:
-round half to even, the saturating float8 e4m3fn cast (exact in the interpreter too), and IEEE division with one
-reciprocal per divisor."""
+round half to even, the saturating float8 e4m3fn cast and the bfloat16 cast (exact in the interpreter too), and
+IEEE division with one reciprocal per divisor."""
 
 import triton
 import triton.language as tl
@@ -27,6 +27,19 @@ def _to_fp8e4m3(x, EMULATE: tl.constexpr):
         x = tl.where(x < 0, -r, r)
     # on the GPU the cast itself is cvt.rn.satfinite: it saturates, no clamp needed
     return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _to_bf16(x, EMULATE: tl.constexpr):
+    """Round-to-nearest-even cast of float32 ``x`` to bfloat16, as PyTorch casts.
+
+    On the GPU this is one ``cvt.rn.bf16.f32``; the interpreter's own cast truncates, so there the bits are first
+    rounded onto the bfloat16 grid (adding 0x7FFF and the kept part's lowest bit carries exactly at ties to even)."""
+    if EMULATE:
+        bits = x.to(tl.int32, bitcast=True)
+        kept = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = tl.where(x != x, x, kept.to(tl.float32, bitcast=True))
+    return x.to(tl.bfloat16)
 
 
 @triton.jit

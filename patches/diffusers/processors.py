@@ -1,7 +1,8 @@
 """Processors that wrap a Diffusers model's own attention processor.
 
 The wrapped processor runs unchanged (its projections, QK norms, RoPE and joint text/video
-attention stay exact); only its attention product is routed to ``quantpatch.attention``:
+attention stay exact; Wan's RoPE runs in the attention call instead, bit for bit, :mod:`.wan_rotary`); only its
+attention product is routed to ``quantpatch.attention``:
 while it runs, the name it calls (``dispatch_attention_fn`` in its module, or
 ``torch.nn.functional.scaled_dot_product_attention``) is swapped, inside try/finally.
 Under context parallelism (a ``parallel_config`` in the dispatch call) the attention runs inside
@@ -27,6 +28,7 @@ from quantpatch.patches.diffusers.context_parallel import (
     bound_forward_op,
     context_parallel_attention,
 )
+from quantpatch.patches.diffusers.wan_rotary import rotary_parameter, rotate, take_rotary
 
 
 class _Router:
@@ -38,6 +40,15 @@ class _Router:
         self.original_dispatch = dispatch
         self.original_sdpa = torch.nn.functional.scaled_dot_product_attention
         self.context_parallel_op = bound_forward_op(config, record, strict)
+        self.pending_rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) taken from the processor
+
+    def _rotated(self, query, key, layout: str):
+        """``query`` and ``key`` rotated by the processor's pending rotary embedding (:mod:`.wan_rotary`), once."""
+        cos, sin = self.pending_rotary
+        self.pending_rotary = None
+        if layout == "BSHD":
+            return rotate(query, cos, sin), rotate(key, cos, sin)
+        return tuple(rotate(t.transpose(1, 2), cos, sin).transpose(1, 2) for t in (query, key))
 
     def _keeps_original(self, layout, query, key, value, attn_mask, dropout_p, is_causal, scale,
                         lengths: tuple[int, int]) -> bool:
@@ -65,6 +76,8 @@ class _Router:
 
     def dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                  enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
+        if self.pending_rotary is not None:
+            query, key = self._rotated(query, key, "BSHD")
         lengths = (query.shape[1], key.shape[1])
         if parallel_config is not None:  # Diffusers' context parallelism: Ulysses / ring around our attention
             lengths = attention_lengths(parallel_config, *lengths)
@@ -81,6 +94,8 @@ class _Router:
                              attn_mask=attn_mask, strict=self.strict)  # the route is decided above
 
     def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if self.pending_rotary is not None:
+            query, key = self._rotated(query, key, "BHSD")
         if self._keeps_original("BHSD", query, key, value, attn_mask, dropout_p, is_causal, scale,
                                 (query.shape[2], key.shape[2])):
             return self.original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
@@ -94,7 +109,9 @@ class QuantpatchProcessor:
     """Runs ``original`` with its attention product quantized; see the module docstring.
 
     The router and the names it swaps are resolved once, at patch time: a call adds two attribute swaps (four with
-    ``dispatch_attention_fn``) to the processor's own work.
+    ``dispatch_attention_fn``) to the processor's own work. A processor that rotates its query and key as Wan's does
+    (:func:`~quantpatch.patches.diffusers.wan_rotary.rotary_parameter`) gets ``rotary_emb=None`` and its attention
+    call rotates them in one kernel launch each, bit for bit as the processor would have.
     """
 
     def __init__(self, original: Any, config: AttentionConfig, record: SiteRecord, strict: bool, route: str,
@@ -105,17 +122,25 @@ class QuantpatchProcessor:
         dispatch = getattr(self.module, "dispatch_attention_fn", None)
         self.router = _Router(config, record, strict, dispatch, policy)
         self.swaps_dispatch = route == "dispatch" and dispatch is not None
+        self.rotary_index = rotary_parameter(original) if self.swaps_dispatch else None
 
     def __call__(self, attn: Any, *args: Any, **kwargs: Any) -> Any:
         functional, router = torch.nn.functional, self.router
+        if self.rotary_index is not None:
+            args, kwargs, router.pending_rotary = take_rotary(attn, self.rotary_index, args, kwargs)
         router.original_sdpa = functional.scaled_dot_product_attention
         functional.scaled_dot_product_attention = router.sdpa
         if self.swaps_dispatch:
             router.original_dispatch = self.module.dispatch_attention_fn
             self.module.dispatch_attention_fn = router.dispatch
         try:
-            return self.original(attn, *args, **kwargs)
+            out = self.original(attn, *args, **kwargs)
+            if router.pending_rotary is not None:
+                raise RuntimeError(f"{type(self.original).__name__} made no attention call, so the query and key "
+                                   "rotation taken out of it was never applied")
+            return out
         finally:
+            router.pending_rotary = None
             functional.scaled_dot_product_attention = router.original_sdpa
             if self.swaps_dispatch:
                 self.module.dispatch_attention_fn = router.original_dispatch
@@ -134,7 +159,7 @@ class QuantpatchProcessor:
 
 
 _OWN_ATTRIBUTES = frozenset(("original", "config", "record", "strict", "route", "policy", "module", "router",
-                             "swaps_dispatch"))
+                             "swaps_dispatch", "rotary_index"))
 
 
 def wrap_processor(original: Any, config: AttentionConfig, record: SiteRecord, strict: bool, route: str,

@@ -1,0 +1,80 @@
+"""Interleaved-pair rotary embedding (Triton) against ``rotary_ref.rotary_interleaved_ref``, bit for bit.
+
+Without CUDA the kernel runs in the Triton interpreter (``conftest.py``); the ``gpu``-marked test runs it compiled,
+where ``enable_fp_fusion=False`` must keep each product and sum rounded to float32 as PyTorch's elementwise kernels
+round them (a fused multiply-add would change low bits).
+"""
+
+import pytest
+import torch
+
+from quantpatch.kernels.rotary.rotary_ref import rotary_interleaved_ref
+from quantpatch.kernels.rotary.rotary_triton import TOKENS, rotary_interleaved, rotary_unsupported
+from tests.gpu import DEVICE, needs_cuda
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _inputs(b: int, s: int, h: int, d: int, dtype: torch.dtype, table_batch: int = 1, device: str = "cpu"):
+    """``x (b, s, h, d)`` of large values (products round in float32's low bits) and Wan-style tables: one angle a
+    channel pair, repeated over the pair, as ``freqs_cos`` / ``freqs_sin`` (table_batch, s, 1, d)."""
+    gen = torch.Generator().manual_seed(b * 1000 + s * 10 + h)
+    x = (torch.randn(b, s, h, d, generator=gen) * 37).to(dtype)
+    angle = (torch.randn(table_batch, s, 1, d // 2, generator=gen) * 3).repeat_interleave(2, -1)
+    return x.to(device), angle.cos().to(device), angle.sin().to(device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2 * TOKENS + 1, 3, 16), (2, 5, 4, 8), (1, 3, 1, 64)])
+def test_kernel_equals_reference_bit_for_bit(shape, dtype):
+    x, cos, sin = _inputs(*shape, dtype)
+    out = rotary_interleaved(x, cos, sin)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert torch.equal(out, rotary_interleaved_ref(x, cos, sin))
+
+
+def test_strided_inputs_and_per_batch_tables():
+    x, cos, sin = _inputs(2, 6, 3, 16, torch.bfloat16, table_batch=2)
+    bhsd = x.transpose(1, 2).contiguous()  # a (B, S, H, D) view of a (B, H, S, D) tensor, as an SDPA call holds it
+    view = bhsd.transpose(1, 2)
+    out = rotary_interleaved(view, cos, sin)
+    assert out.stride() == view.stride()  # like the reference's torch.empty_like
+    assert torch.equal(out, rotary_interleaved_ref(view, cos, sin))
+    assert torch.equal(out, rotary_interleaved_ref(x, cos, sin))
+    assert not torch.equal(rotary_interleaved(x, cos[:1], sin[:1]), out)  # the second batch entry has its own table
+
+
+def test_bfloat16_rounds_to_nearest_even():
+    # x₁ = 1 and cos = 1 + 2⁻⁸ (a tie between bfloat16's 1 and 1 + 2⁻⁷: even is 1), then 1 + 3·2⁻⁸ (even: 1 + 2⁻⁶)
+    x = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=torch.bfloat16).reshape(1, 1, 1, 4)
+    cos = torch.tensor([1.0 + 2.0**-8] * 2 + [1.0 + 3 * 2.0**-8] * 2).reshape(1, 1, 1, 4)
+    sin = torch.zeros(1, 1, 1, 4)
+    out = rotary_interleaved(x, cos, sin)
+    assert out.float().flatten().tolist()[0::2] == [1.0, 1.0 + 2.0**-6]
+    assert torch.equal(out, rotary_interleaved_ref(x, cos, sin))
+
+
+@pytest.mark.parametrize("bad, needle", [
+    (lambda x, c, s: (x[..., :12], c[..., :12], s[..., :12]), "power of two"),
+    (lambda x, c, s: (x, c.double(), s), "float32"),
+    (lambda x, c, s: (x, c[:, :2], s[:, :2]), "shape"),
+    (lambda x, c, s: (x.transpose(-1, -2), c, s), "contiguous channels"),
+])
+def test_unsupported_inputs_are_named(bad, needle):
+    x, cos, sin = _inputs(1, 4, 16, 16, torch.bfloat16)
+    args = bad(x, cos, sin)
+    reason = rotary_unsupported(*args)
+    assert reason is not None and needle in reason
+    with pytest.raises(ValueError, match=needle):
+        rotary_interleaved(*args)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_kernel_equals_reference_bit_for_bit(dtype):
+    # Wan2.1-1.3B's head layout (12 heads of 128) at a few hundred tokens, and a tail
+    x, cos, sin = _inputs(2, 333, 12, 128, dtype, device=DEVICE)
+    out = rotary_interleaved(x, cos, sin)
+    assert torch.equal(out, rotary_interleaved_ref(x, cos, sin))
+    assert torch.equal(out.cpu(), rotary_interleaved_ref(x.cpu(), cos.cpu(), sin.cpu()))
