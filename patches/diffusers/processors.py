@@ -1,7 +1,7 @@
 """Processors that wrap a Diffusers model's own attention processor.
 
 The wrapped processor runs unchanged (its projections, QK norms, RoPE and joint text/video
-attention stay exact; Wan's RoPE runs in the attention call instead, bit for bit, :mod:`.wan_rotary`); only its
+attention stay exact; Wan's RoPE runs in the attention call instead, bit for bit, :mod:`.rotary`); only its
 attention product is routed to ``quantpatch.attention``:
 while it runs, the name it calls (``dispatch_attention_fn`` in its module, or
 ``torch.nn.functional.scaled_dot_product_attention``) is swapped, inside try/finally.
@@ -28,7 +28,7 @@ from quantpatch.patches.diffusers.context_parallel import (
     bound_forward_op,
     context_parallel_attention,
 )
-from quantpatch.patches.diffusers.wan_rotary import rotary_parameter, rotate, take_rotary
+from quantpatch.patches.diffusers.rotary import paired_rotary, rotary_modules, rotary_parameter, rotate, take_rotary
 
 
 class _Router:
@@ -43,7 +43,7 @@ class _Router:
         self.pending_rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) taken from the processor
 
     def _rotated(self, query, key, layout: str):
-        """``query`` and ``key`` rotated by the processor's pending rotary embedding (:mod:`.wan_rotary`), once."""
+        """``query`` and ``key`` rotated by the processor's pending rotary embedding (:mod:`.rotary`), once."""
         cos, sin = self.pending_rotary
         self.pending_rotary = None
         if layout == "BSHD":
@@ -110,8 +110,10 @@ class QuantpatchProcessor:
 
     The router and the names it swaps are resolved once, at patch time: a call adds two attribute swaps (four with
     ``dispatch_attention_fn``) to the processor's own work. A processor that rotates its query and key as Wan's does
-    (:func:`~quantpatch.patches.diffusers.wan_rotary.rotary_parameter`) gets ``rotary_emb=None`` and its attention
-    call rotates them in one kernel launch each, bit for bit as the processor would have.
+    (:func:`~quantpatch.patches.diffusers.rotary.rotary_parameter`) gets ``rotary_emb=None`` and its attention
+    call rotates them in one kernel launch each, bit for bit as the processor would have; one that calls Diffusers'
+    ``apply_rotary_emb`` finds the one-launch form of it (:func:`~quantpatch.patches.diffusers.rotary.paired_rotary`)
+    under that name while it runs.
     """
 
     def __init__(self, original: Any, config: AttentionConfig, record: SiteRecord, strict: bool, route: str,
@@ -123,6 +125,9 @@ class QuantpatchProcessor:
         self.router = _Router(config, record, strict, dispatch, policy)
         self.swaps_dispatch = route == "dispatch" and dispatch is not None
         self.rotary_index = rotary_parameter(original) if self.swaps_dispatch else None
+        self.rotary_modules = () if self.rotary_index is not None else rotary_modules(original, self.module)
+        self.fused_rotary = paired_rotary(getattr(self.rotary_modules[0], "apply_rotary_emb")) \
+            if self.rotary_modules else None
 
     def __call__(self, attn: Any, *args: Any, **kwargs: Any) -> Any:
         functional, router = torch.nn.functional, self.router
@@ -133,6 +138,9 @@ class QuantpatchProcessor:
         if self.swaps_dispatch:
             router.original_dispatch = self.module.dispatch_attention_fn
             self.module.dispatch_attention_fn = router.dispatch
+        rotations = [m.apply_rotary_emb for m in self.rotary_modules]
+        for m in self.rotary_modules:
+            m.apply_rotary_emb = self.fused_rotary
         try:
             out = self.original(attn, *args, **kwargs)
             if router.pending_rotary is not None:
@@ -144,6 +152,8 @@ class QuantpatchProcessor:
             functional.scaled_dot_product_attention = router.original_sdpa
             if self.swaps_dispatch:
                 self.module.dispatch_attention_fn = router.original_dispatch
+            for m, rotation in zip(self.rotary_modules, rotations):
+                m.apply_rotary_emb = rotation
 
     def __getattr__(self, name: str) -> Any:  # e.g. _attention_backend, read by the model
         if name == "original":
@@ -159,7 +169,7 @@ class QuantpatchProcessor:
 
 
 _OWN_ATTRIBUTES = frozenset(("original", "config", "record", "strict", "route", "policy", "module", "router",
-                             "swaps_dispatch", "rotary_index"))
+                             "swaps_dispatch", "rotary_index", "rotary_modules", "fused_rotary"))
 
 
 def wrap_processor(original: Any, config: AttentionConfig, record: SiteRecord, strict: bool, route: str,

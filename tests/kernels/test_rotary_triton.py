@@ -1,4 +1,5 @@
-"""Interleaved-pair rotary embedding (Triton) against ``rotary_ref.rotary_interleaved_ref``, bit for bit.
+"""Interleaved-pair rotary embedding (Triton) against ``rotary_ref.rotary_interleaved_ref``, bit for bit, under both
+readings of the tables; the ``"paired"`` one against Diffusers' own ``apply_rotary_emb`` too.
 
 Without CUDA the kernel runs in the Triton interpreter (``conftest.py``); the ``gpu``-marked test runs it compiled,
 where ``enable_fp_fusion=False`` must keep each product and sum rounded to float32 as PyTorch's elementwise kernels
@@ -8,7 +9,7 @@ round them (a fused multiply-add would change low bits).
 import pytest
 import torch
 
-from quantpatch.kernels.rotary.rotary_ref import rotary_interleaved_ref
+from quantpatch.kernels.rotary.rotary_ref import TABLES, rotary_interleaved_ref
 from quantpatch.kernels.rotary.rotary_triton import TOKENS, rotary_interleaved, rotary_unsupported
 from tests.gpu import DEVICE, needs_cuda
 
@@ -24,13 +25,29 @@ def _inputs(b: int, s: int, h: int, d: int, dtype: torch.dtype, table_batch: int
     return x.to(device), angle.cos().to(device), angle.sin().to(device)
 
 
+@pytest.mark.parametrize("tables", TABLES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 2 * TOKENS + 1, 3, 16), (2, 5, 4, 8), (1, 3, 1, 64)])
-def test_kernel_equals_reference_bit_for_bit(shape, dtype):
+def test_kernel_equals_reference_bit_for_bit(shape, dtype, tables):
     x, cos, sin = _inputs(*shape, dtype)
-    out = rotary_interleaved(x, cos, sin)
+    # tables whose two entries of a pair differ, so that the two readings differ
+    cos, sin = cos * torch.linspace(0.5, 1.0, cos.shape[-1]), sin * torch.linspace(1.0, 0.7, sin.shape[-1])
+    out = rotary_interleaved(x, cos, sin, tables)
     assert out.dtype == dtype and out.shape == x.shape
-    assert torch.equal(out, rotary_interleaved_ref(x, cos, sin))
+    assert torch.equal(out, rotary_interleaved_ref(x, cos, sin, tables))
+    assert not torch.equal(out, rotary_interleaved_ref(x, cos, sin, "paired" if tables == "wan" else "wan"))
+
+
+@pytest.mark.parametrize("sequence_dim", [1, 2])
+def test_paired_tables_are_diffusers_apply_rotary_emb(sequence_dim):
+    embeddings = pytest.importorskip("diffusers.models.embeddings")
+    x, cos, sin = _inputs(2, 7, 3, 16, torch.bfloat16)
+    tables = (cos[0, :, 0], sin[0, :, 0])  # (S, D), as Diffusers passes them
+    layout = x if sequence_dim == 1 else x.transpose(1, 2).contiguous()  # (B, S, H, D) or (B, H, S, D)
+    expected = embeddings.apply_rotary_emb(layout, tables, use_real=True, use_real_unbind_dim=-1,
+                                           sequence_dim=sequence_dim)
+    got = rotary_interleaved(x, cos, sin, "paired")
+    assert torch.equal(got if sequence_dim == 1 else got.transpose(1, 2), expected)
 
 
 def test_strided_inputs_and_per_batch_tables():
@@ -69,12 +86,18 @@ def test_unsupported_inputs_are_named(bad, needle):
         rotary_interleaved(*args)
 
 
+def test_unknown_tables_are_named():
+    with pytest.raises(ValueError, match="tables='rope'"):
+        rotary_interleaved(*_inputs(1, 4, 2, 16, torch.bfloat16), "rope")
+
+
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("tables", TABLES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gpu_kernel_equals_reference_bit_for_bit(dtype):
+def test_gpu_kernel_equals_reference_bit_for_bit(dtype, tables):
     # Wan2.1-1.3B's head layout (12 heads of 128) at a few hundred tokens, and a tail
     x, cos, sin = _inputs(2, 333, 12, 128, dtype, device=DEVICE)
-    out = rotary_interleaved(x, cos, sin)
-    assert torch.equal(out, rotary_interleaved_ref(x, cos, sin))
-    assert torch.equal(out.cpu(), rotary_interleaved_ref(x.cpu(), cos.cpu(), sin.cpu()))
+    out = rotary_interleaved(x, cos, sin, tables)
+    assert torch.equal(out, rotary_interleaved_ref(x, cos, sin, tables))
+    assert torch.equal(out.cpu(), rotary_interleaved_ref(x.cpu(), cos.cpu(), sin.cpu(), tables))

@@ -1,0 +1,123 @@
+"""Processors' rotary embeddings in one launch (``patches/diffusers/rotary.py``): bit for bit the processors' own.
+
+Wan's rotation moves from its processor into the patched attention call; CogVideoX, Flux and HunyuanVideo find the
+one-launch form of Diffusers' ``apply_rotary_emb`` under that name while their processors run (the tiny CogVideoX passes
+no rotary embedding; Flux and HunyuanVideo do). CPU, tiny
+transformers (``quantpatch.testing.diffusers_tiny``): the rotations run the reference or Diffusers' own function;
+the Triton kernel's bit-exactness against them is ``tests/kernels``', and the ``gpu`` test runs the patch's
+replacement on CUDA.
+"""
+
+import pytest
+import torch
+
+import quantpatch as qp
+from quantpatch.patches.diffusers import processors
+from quantpatch.patches.diffusers.rotary import paired_rotary, rotary_parameter
+from quantpatch.testing.diffusers_tiny import tiny_transformer
+from tests.gpu import needs_cuda
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")  # tests/conftest.py
+
+pytest.importorskip("diffusers")
+
+
+@pytest.fixture
+def rotations(monkeypatch):
+    """Shapes of the tensors each patched attention call rotated, in call order."""
+    seen = []
+
+    def counting(x, cos, sin):
+        seen.append(tuple(x.shape))
+        return rotate(x, cos, sin)
+
+    rotate = processors.rotate
+    monkeypatch.setattr(processors, "rotate", counting)
+    return seen
+
+
+def test_wan_processor_is_recognised_and_others_are_not():
+    from diffusers.models.attention_processor import AttnProcessor2_0
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    assert rotary_parameter(WanAttnProcessor()) == 3  # (hidden_states, encoder_hidden_states, attention_mask, rotary)
+    assert rotary_parameter(FluxAttnProcessor()) is None
+    assert rotary_parameter(AttnProcessor2_0()) is None
+
+
+@pytest.mark.parametrize("policy", ["speed", "always"])
+def test_rotation_moves_into_the_attention_call_bit_for_bit(policy, rotations, monkeypatch, no_leaks):
+    model, call = tiny_transformer("WanTransformer3DModel")
+    base = call()
+    with qp.patch_model(model, "sage2-8b", policy=policy):
+        moved = call()
+    # each block's self-attention rotated its query and key (cross-attention has no rotary embedding)
+    blocks = len(model.blocks)
+    assert len(rotations) == 2 * blocks
+    monkeypatch.setattr(processors, "rotary_parameter", lambda processor: None)
+    with qp.patch_model(model, "sage2-8b", policy=policy):
+        kept = call()
+    assert len(rotations) == 2 * blocks  # the processor rotated them itself
+    assert torch.equal(moved, kept)
+    if policy == "speed":  # the CPU runs SDPA under policy="speed": the unpatched model, bit for bit
+        assert torch.equal(moved, base)
+    assert torch.equal(call(), base)
+
+
+def test_a_processor_that_makes_no_attention_call_raises(monkeypatch, no_leaks):
+    model, call = tiny_transformer("WanTransformer3DModel")
+    base = call()
+    with qp.patch_model(model, "sage2-8b", policy="always"):
+        wrapper = model.blocks[0].attn1.processor
+        # a processor that returns its input without attending: the rotation taken out of it would be lost
+        monkeypatch.setattr(type(wrapper), "original", property(lambda self: lambda attn, hidden, *a, **k: hidden),
+                            raising=False)
+        with pytest.raises(RuntimeError, match="never applied"):
+            call()
+    assert torch.equal(call(), base)
+
+
+@pytest.mark.parametrize("family, calls", [("FluxTransformer2DModel", 4),
+                                           ("HunyuanVideoTransformer3DModel", 4)])
+def test_diffusers_rotation_is_replaced_only_while_a_processor_runs(family, calls, monkeypatch, no_leaks):
+    from diffusers.models import embeddings
+
+    original = embeddings.apply_rotary_emb
+    seen = []
+
+    def counting(function):
+        fused = paired_rotary(function)
+
+        def apply_rotary_emb(x, *args, **kwargs):
+            seen.append(embeddings.apply_rotary_emb is wrapper)
+            return fused(x, *args, **kwargs)
+
+        wrapper = apply_rotary_emb
+        return wrapper
+
+    monkeypatch.setattr(processors, "paired_rotary", counting)
+    model, call = tiny_transformer(family)
+    base = call()
+    with qp.patch_model(model, "sage2-8b"):
+        assert embeddings.apply_rotary_emb is original  # swapped only inside a processor's call
+        out = call()
+    assert len(seen) == calls and all(seen)  # query and key of each rotating processor, through the replacement
+    assert torch.equal(out, base)  # on the CPU the replacement hands every call to Diffusers' own function
+    assert embeddings.apply_rotary_emb is original and torch.equal(call(), base)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("sequence_dim", [1, 2])
+def test_gpu_replacement_equals_diffusers_rotation_bit_for_bit(sequence_dim):
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    gen = torch.Generator(device="cuda").manual_seed(sequence_dim)
+    shape = (2, 333, 24, 128) if sequence_dim == 1 else (2, 24, 333, 128)
+    x = (torch.randn(shape, device="cuda", generator=gen) * 9).to(torch.bfloat16)
+    angle = torch.randn(333, 64, device="cuda", generator=gen).repeat_interleave(2, -1) * 4
+    tables = (angle.cos(), angle.sin())
+    fused = paired_rotary(apply_rotary_emb)(x, tables, sequence_dim=sequence_dim)
+    assert fused.stride() == x.stride()
+    assert torch.equal(fused, apply_rotary_emb(x, tables, sequence_dim=sequence_dim))
