@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from quantpatch.kernels.rotary.rotary_ref import rotary_interleaved_ref
+from quantpatch.kernels.rotary.rotary_ref import rotary_embedding_ref
 
 _APPLY = "apply_rotary_emb"  # Diffusers' name of its rotation, in diffusers.models.embeddings
 
-# What the processor's __call__ must say, whitespace aside: the rotation rotary_interleaved_ref computes, applied to
+# What the processor's __call__ must say, whitespace aside: the rotation rotary_embedding_ref computes, applied to
 # the query and the key with the call's rotary_emb = (freqs_cos, freqs_sin).
 _ROTATION = (
     "x1,x2=hidden_states.unflatten(-1,(-1,2)).unbind(-1)",
@@ -81,10 +81,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """``x (B, S, H, D)`` rotated as Wan's processor rotates it: one Triton launch on CUDA in eager mode where the
     kernel takes the shapes, the reference otherwise."""
     if _kernel_takes(x, cos, sin):
-        from quantpatch.kernels.rotary.rotary_triton import rotary_interleaved
+        from quantpatch.kernels.rotary.rotary_triton import rotary_embedding
 
-        return rotary_interleaved(x, cos, sin)
-    return rotary_interleaved_ref(x, cos, sin)
+        return rotary_embedding(x, cos, sin)
+    return rotary_embedding_ref(x, cos, sin)
 
 
 def _kernel_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -121,9 +121,9 @@ def paired_rotary(original):
             view = x if sequence_dim == 1 else x.transpose(1, 2)  # (B, S, H, D)
             cos, sin = (t[None, :, None, :] for t in freqs_cis)
             if _kernel_takes(view, cos, sin):
-                from quantpatch.kernels.rotary.rotary_triton import rotary_interleaved
+                from quantpatch.kernels.rotary.rotary_triton import rotary_embedding
 
-                out = rotary_interleaved(view, cos, sin, "paired")
+                out = rotary_embedding(view, cos, sin, "paired")
                 return out if sequence_dim == 1 else out.transpose(1, 2)
         return original(x, freqs_cis, use_real=use_real, use_real_unbind_dim=use_real_unbind_dim,
                         sequence_dim=sequence_dim)

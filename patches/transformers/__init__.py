@@ -3,7 +3,8 @@
 Each ``patch_model`` call registers its own attention and mask functions under a fresh key
 (so two patched models never share state and ``remove()`` leaves no global entry behind),
 tags every attention site (a module whose ``forward`` dispatches through
-``ALL_ATTENTION_FUNCTIONS``) with its config, and switches the model's implementation.
+``ALL_ATTENTION_FUNCTIONS``) with its config, and switches the model's implementation. The sites' rotary
+embedding, where it is Transformers' ``rotate_half`` one, runs in one launch a tensor (:mod:`.rotary`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from quantpatch.patches.transformers.attention import (
 )
 from quantpatch.patches.transformers.families import FAMILIES
 from quantpatch.patches.transformers.masks import shape_skipping_mask
+from quantpatch.patches.transformers.rotary import rotary_module, take_over
 from quantpatch.patches.transformers.tensor_parallel import rank_kv_heads
 from quantpatch.patches.transformers.turbo_cache import install_generate_hook
 from quantpatch.patching import PatchHandle
@@ -76,6 +78,9 @@ def patch_transformers_model(
     if not sites:
         raise ValueError(f"found no attention module dispatching through AttentionInterface in {type(model).__name__}")
     kv_heads = rank_kv_heads(model)
+    # the rotary embedding in one launch a tensor, bit for bit, whatever the mode (rotary.py)
+    for rotary in {m.__name__: m for m in map(rotary_module, (module for _, module in sites)) if m}.values():
+        take_over(rotary, handle)
     for name, module in sites:
         is_selected = selected(name, include, exclude)
         runs = f"quantpatch {mode.name} attention" if is_selected else f"original {original_impl} attention (excluded)"
