@@ -73,10 +73,15 @@ def test_gpu_replacement_equals_transformers_rotation_bit_for_bit(dtype):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q = (torch.randn(2, 333, 32, 128, device="cuda", generator=gen) * 9).to(dtype).transpose(1, 2)  # as Llama
-    k = (torch.randn(2, 333, 8, 128, device="cuda", generator=gen) * 9).to(dtype).transpose(1, 2)
-    angle = torch.randn(2, 333, 64, device="cuda", generator=gen) * 4
+    seq = rotary.MIN_TOKENS // 2 + 3  # two sequences: past the threshold, with a tail
+    q = (torch.randn(2, seq, 32, 128, device="cuda", generator=gen) * 9).to(dtype).transpose(1, 2)  # as Llama
+    k = (torch.randn(2, seq, 8, 128, device="cuda", generator=gen) * 9).to(dtype).transpose(1, 2)
+    angle = torch.randn(2, seq, 64, device="cuda", generator=gen) * 4
     cos, sin = (torch.cat([f(angle)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
-    fused = rotary.halves_rotary(apply_rotary_pos_emb)(q, k, cos, sin)
-    for got, want in zip(fused, apply_rotary_pos_emb(q, k, cos, sin)):
+    launches = []
+    fused = rotary.halves_rotary(lambda *args: launches.append(args) or apply_rotary_pos_emb(*args))
+    for got, want in zip(fused(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin)):
         assert torch.equal(got, want)
+    assert not launches  # the kernel took the call
+    fused(q[:, :, :1], k[:, :, :1], cos[:, :1], sin[:, :1])  # a decode step: the original
+    assert len(launches) == 1
