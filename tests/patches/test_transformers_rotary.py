@@ -36,7 +36,12 @@ def test_only_the_rotate_half_rotation_is_taken(family, takes):
 
 def test_swapped_while_patched_restored_after_the_last_removal(monkeypatch, no_leaks):
     llama = importlib.import_module("transformers.models.llama.modeling_llama")
-    original, calls, make = llama.apply_rotary_pos_emb, [], rotary.halves_rotary
+    held = rotary._HELD.get(llama.__name__)
+    original = held[0] if held else llama.apply_rotary_pos_emb
+    # a model another test left patched holds the replacement: start from the original, nothing held
+    monkeypatch.setattr(rotary, "_HELD", {})
+    monkeypatch.setattr(llama, "apply_rotary_pos_emb", original)
+    calls, make = [], rotary.halves_rotary
 
     def counting(function):
         fused = make(function)
@@ -51,14 +56,19 @@ def test_swapped_while_patched_restored_after_the_last_removal(monkeypatch, no_l
     first, second = tiny_model("llama"), tiny_model("llama")
     ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(0))
     base = first(ids).logits
-    a, b = qp.patch_model(first, "sage2-8b"), qp.patch_model(second, "sage2-8b", policy="always")
-    assert llama.apply_rotary_pos_emb is not original
-    assert torch.equal(first(ids).logits, base)  # CPU: SDPA, and the replacement handed its calls to the original
-    assert len(calls) == 2  # one call a layer (query and key together)
-    patched_always = second(ids).logits
-    a.remove()  # not the last one: the replacement stays for the second model
-    assert llama.apply_rotary_pos_emb is not original
-    b.remove()
+    a = qp.patch_model(first, "sage2-8b")
+    b = qp.patch_model(second, "sage2-8b", policy="always")
+    try:
+        assert llama.apply_rotary_pos_emb is not original
+        assert torch.equal(first(ids).logits, base)  # CPU: SDPA, and the replacement handed its calls to the original
+        assert len(calls) == 2  # one call a layer (query and key together)
+        patched_always = second(ids).logits
+    finally:
+        a.remove()  # not the last one: the replacement stays for the second model
+    try:
+        assert llama.apply_rotary_pos_emb is not original
+    finally:
+        b.remove()
     assert llama.apply_rotary_pos_emb is original
     assert torch.equal(first(ids).logits, base)
     with qp.patch_model(second, "sage2-8b", policy="always"):  # a second patch finds the original again
