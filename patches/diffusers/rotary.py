@@ -88,7 +88,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def _kernel_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    if not x.is_cuda or torch.compiler.is_compiling():
+    """Plain CUDA tensors (not a subclass such as a DTensor) in eager mode, of shapes the kernel takes."""
+    if not all(type(t) is torch.Tensor for t in (x, cos, sin)) or not x.is_cuda or torch.compiler.is_compiling():
         return False
     from quantpatch.kernels.rotary.rotary_triton import rotary_unsupported
 

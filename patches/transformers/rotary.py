@@ -55,12 +55,14 @@ def rotary_module(attention: Any) -> ModuleType | None:
 
 
 def halves_rotary(original):
-    """A drop-in for a modeling module's ``apply_rotary_pos_emb`` (``original``): calls on CUDA ``(B, H, S, D)``
-    query and key of at least :data:`MIN_TOKENS` positions with ``(B or 1, S, D)`` tables of their dtype in one
-    launch each, bit for bit; every other call to ``original``."""
+    """A drop-in for a modeling module's ``apply_rotary_pos_emb`` (``original``): calls on plain CUDA tensors (a
+    tensor subclass such as a DTensor goes to ``original``), ``(B, H, S, D)`` query and key of at least
+    :data:`MIN_TOKENS` positions with ``(B or 1, S, D)`` tables of their dtype in one launch each, bit for bit; every
+    other call to ``original``."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if unsqueeze_dim == 1 and q.is_cuda and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 \
+        if unsqueeze_dim == 1 and all(type(t) is torch.Tensor for t in (q, k, cos, sin)) and q.is_cuda \
+                and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 \
                 and q.shape[0] * q.shape[2] >= MIN_TOKENS \
                 and cos.dtype == q.dtype == k.dtype and not torch.compiler.is_compiling():
             from quantpatch.kernels.rotary.rotary_triton import rotary_embedding, rotary_unsupported
