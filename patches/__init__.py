@@ -6,6 +6,7 @@ importing either library.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 
@@ -14,6 +15,25 @@ def selected(name: str, include: list[str] | None, exclude: list[str] | None) ->
     if include and not any(s in name for s in include):
         return False
     return not (exclude and any(s in name for s in exclude))
+
+
+def source_holds(function: Any, lines: tuple[str, ...] | list[str]) -> bool:
+    """Whether ``function``'s source, whitespace removed, contains every one of ``lines`` (written without
+    whitespace); False where it has no source."""
+    try:
+        source = "".join(inspect.getsource(function).split())
+    except (OSError, TypeError):
+        return False
+    return all(line in source for line in lines)
+
+
+def plain_cuda_eager(*tensors: Any) -> bool:
+    """Whether ``tensors`` are plain CUDA tensors (no subclass such as a DTensor) outside a ``torch.compile``
+    trace: what the one-launch rotary kernels are handed."""
+    import torch
+
+    return (all(type(t) is torch.Tensor for t in tensors) and tensors[0].is_cuda
+            and not torch.compiler.is_compiling())
 
 
 def note_untested(handle: Any, message: str, *, strict: bool, how: str) -> None:

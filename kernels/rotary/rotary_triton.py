@@ -128,6 +128,12 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, form
     reason = rotary_unsupported(x, cos, sin) if form in FORMS else f"form={form!r}: one of {FORMS}"
     if reason:
         raise ValueError(reason)
+    return rotary_embedding_checked(x, cos, sin, form)
+
+
+def rotary_embedding_checked(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, form: str) -> torch.Tensor:
+    """:func:`rotary_embedding` without its checks, for callers on a hot path that already had
+    :func:`rotary_unsupported` return None for these tensors (and pass a ``form`` of ``rotary_ref.FORMS``)."""
     out = torch.empty_like(x)
     b, seq, h, d = x.shape
     n_tok = b * seq

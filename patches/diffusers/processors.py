@@ -126,7 +126,7 @@ class QuantpatchProcessor:
         self.swaps_dispatch = route == "dispatch" and dispatch is not None
         self.rotary_index = rotary_parameter(original) if self.swaps_dispatch else None
         self.rotary_modules = () if self.rotary_index is not None else rotary_modules(original, self.module)
-        self.fused_rotary = paired_rotary(getattr(self.rotary_modules[0], "apply_rotary_emb")) \
+        self.fused_rotary = paired_rotary(self.rotary_modules[0].apply_rotary_emb) \
             if self.rotary_modules else None
 
     def __call__(self, attn: Any, *args: Any, **kwargs: Any) -> Any:

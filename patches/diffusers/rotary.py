@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from quantpatch.kernels.rotary.rotary_ref import rotary_embedding_ref
+from quantpatch.patches import plain_cuda_eager, source_holds
 
 _APPLY = "apply_rotary_emb"  # Diffusers' name of its rotation, in diffusers.models.embeddings
 
@@ -48,11 +49,10 @@ def rotary_parameter(processor: Any) -> int | None:
     rotates the query and key as :func:`rotate` does (None otherwise: the processor keeps its own rotation)."""
     call = type(processor).__call__
     try:
-        source = "".join(inspect.getsource(call).split())
         params = list(inspect.signature(call).parameters)
-    except (OSError, TypeError, ValueError):
+    except (TypeError, ValueError):
         return None
-    if _PARAMETER not in params or not all(line in source for line in _ROTATION):
+    if _PARAMETER not in params or not source_holds(call, _ROTATION):
         return None
     return params.index(_PARAMETER) - 2  # after self and attn
 
@@ -81,15 +81,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """``x (B, S, H, D)`` rotated as Wan's processor rotates it: one Triton launch on CUDA in eager mode where the
     kernel takes the shapes, the reference otherwise."""
     if _kernel_takes(x, cos, sin):
-        from quantpatch.kernels.rotary.rotary_triton import rotary_embedding
+        from quantpatch.kernels.rotary.rotary_triton import rotary_embedding_checked
 
-        return rotary_embedding(x, cos, sin)
+        return rotary_embedding_checked(x, cos, sin, "wan")
     return rotary_embedding_ref(x, cos, sin)
 
 
 def _kernel_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Plain CUDA tensors (not a subclass such as a DTensor) in eager mode, of shapes the kernel takes."""
-    if not all(type(t) is torch.Tensor for t in (x, cos, sin)) or not x.is_cuda or torch.compiler.is_compiling():
+    """Plain CUDA tensors in eager mode (:func:`~quantpatch.patches.plain_cuda_eager`), of shapes the kernel
+    takes."""
+    if not plain_cuda_eager(x, cos, sin):
         return False
     from quantpatch.kernels.rotary.rotary_triton import rotary_unsupported
 
@@ -122,9 +123,9 @@ def paired_rotary(original):
             view = x if sequence_dim == 1 else x.transpose(1, 2)  # (B, S, H, D)
             cos, sin = (t[None, :, None, :] for t in freqs_cis)
             if _kernel_takes(view, cos, sin):
-                from quantpatch.kernels.rotary.rotary_triton import rotary_embedding
+                from quantpatch.kernels.rotary.rotary_triton import rotary_embedding_checked
 
-                out = rotary_embedding(view, cos, sin, "paired")
+                out = rotary_embedding_checked(view, cos, sin, "paired")
                 return out if sequence_dim == 1 else out.transpose(1, 2)
         return original(x, freqs_cis, use_real=use_real, use_real_unbind_dim=use_real_unbind_dim,
                         sequence_dim=sequence_dim)

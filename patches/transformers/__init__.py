@@ -9,12 +9,11 @@ embedding, where it is Transformers' ``rotate_half`` one, runs in one launch a t
 
 from __future__ import annotations
 
-import inspect
 import itertools
 from typing import Any
 
 from quantpatch.config import ModeConfig
-from quantpatch.patches import note_untested, selected
+from quantpatch.patches import note_untested, selected, source_holds
 from quantpatch.patches.transformers.attention import (
     SITE_ATTR,
     AttentionSite,
@@ -33,11 +32,7 @@ MASK_COMPATIBLE = ("sdpa", "eager")
 
 
 def _dispatches_attention(module: Any) -> bool:
-    forward = type(module).forward
-    try:
-        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(forward)
-    except (OSError, TypeError):
-        return False
+    return source_holds(type(module).forward, ["ALL_ATTENTION_FUNCTIONS"])
 
 
 def patch_transformers_model(

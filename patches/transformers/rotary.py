@@ -16,7 +16,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-import torch
+from quantpatch.patches import plain_cuda_eager, source_holds
 
 _APPLY = "apply_rotary_pos_emb"
 # What the module's functions must say, whitespace aside: the rotation of rotary_ref's "halves" form.
@@ -40,16 +40,14 @@ def rotary_module(attention: Any) -> ModuleType | None:
     if module is None:
         return None
     held = _HELD.get(module.__name__)
+    original = held[0] if held else getattr(module, _APPLY, None)
+    functions = {_APPLY: original, "rotate_half": getattr(module, "rotate_half", None)}
+    if not all(source_holds(functions[name], lines) for name, lines in _ROTATION.items()):
+        return None
     try:
-        for name, lines in _ROTATION.items():
-            function = held[0] if held and name == _APPLY else getattr(module, name, None)
-            source = "".join(inspect.getsource(function).split())
-            if not all(line in source for line in lines):
-                return None
-        original = held[0] if held else getattr(module, _APPLY)
         if list(inspect.signature(original).parameters) != _PARAMETERS:
             return None
-    except (OSError, TypeError, ValueError):
+    except (TypeError, ValueError):
         return None
     return module
 
@@ -61,17 +59,15 @@ def halves_rotary(original):
     other call to ``original``."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if unsqueeze_dim == 1 and all(type(t) is torch.Tensor for t in (q, k, cos, sin)) and q.is_cuda \
-                and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 \
-                and q.shape[0] * q.shape[2] >= MIN_TOKENS \
-                and cos.dtype == q.dtype == k.dtype and not torch.compiler.is_compiling():
-            from quantpatch.kernels.rotary.rotary_triton import rotary_embedding, rotary_unsupported
+        if unsqueeze_dim == 1 and plain_cuda_eager(q, k, cos, sin) and q.dim() == 4 and k.dim() == 4 \
+                and cos.dim() == 3 and q.shape[0] * q.shape[2] >= MIN_TOKENS and cos.dtype == q.dtype == k.dtype:
+            from quantpatch.kernels.rotary.rotary_triton import rotary_embedding_checked, rotary_unsupported
 
             c, s = cos[:, :, None], sin[:, :, None]  # (B, S, 1, D)
             qv, kv = q.transpose(1, 2), k.transpose(1, 2)  # (B, S, H, D)
             if rotary_unsupported(qv, c, s) is None and rotary_unsupported(kv, c, s) is None:
-                return (rotary_embedding(qv, c, s, "halves").transpose(1, 2),
-                        rotary_embedding(kv, c, s, "halves").transpose(1, 2))
+                return (rotary_embedding_checked(qv, c, s, "halves").transpose(1, 2),
+                        rotary_embedding_checked(kv, c, s, "halves").transpose(1, 2))
         return original(q, k, cos, sin, unsqueeze_dim)
 
     return apply_rotary_pos_emb
