@@ -59,8 +59,9 @@ def halves_rotary(original):
     other call to ``original``."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if unsqueeze_dim == 1 and plain_cuda_eager(q, k, cos, sin) and q.dim() == 4 and k.dim() == 4 \
-                and cos.dim() == 3 and q.shape[0] * q.shape[2] >= MIN_TOKENS and cos.dtype == q.dtype == k.dtype:
+        # the position count first: a decode step leaves after one comparison
+        if unsqueeze_dim == 1 and q.dim() == 4 and q.shape[0] * q.shape[2] >= MIN_TOKENS and k.dim() == 4 \
+                and cos.dim() == 3 and plain_cuda_eager(q, k, cos, sin) and cos.dtype == q.dtype == k.dtype:
             from quantpatch.kernels.rotary.rotary_triton import rotary_embedding_checked, rotary_unsupported
 
             c, s = cos[:, :, None], sin[:, :, None]  # (B, S, 1, D)
