@@ -24,7 +24,7 @@ def _to_fp8e4m3(x, EMULATE: tl.constexpr):
         e = tl.maximum(((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # binade (subnormals: -6)
         quantum = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2**(e - 3): 3 mantissa bits
         r = tl.minimum(_rne(ax / quantum) * quantum, 448.0)
-        x = tl.where(x < 0, -r, r)
+        x = tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit: -0 stays -0
     # on the GPU the cast itself is cvt.rn.satfinite: it saturates, no clamp needed
     return x.to(tl.float8e4nv)
 
@@ -55,4 +55,5 @@ def _div_by(x, d):
     x = x * f
     r = tl.math.div_rn(1.0, d)
     q = x * r
-    return tl.math.fma(tl.math.fma(-d, q, x), r, q)
+    # a zero ``x`` keeps its sign, as in IEEE division (the correction's sums would give +0 for -0)
+    return tl.where(x == 0.0, x, tl.math.fma(tl.math.fma(-d, q, x), r, q))

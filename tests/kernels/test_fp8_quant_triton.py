@@ -44,17 +44,18 @@ def test_kernel_equals_reference_bit_for_bit(m, k, dtype):
     _assert_same(quantize_rows_fp8(x), quantize_rows_fp8_ref(x))
 
 
-def test_rounding_ties_saturation_and_zero_rows():
+def test_rounding_ties_saturation_signed_and_zero_rows():
     # row 0: absmax 448 → scale 1, so the kernel casts these values themselves; ties go to the even neighbour
-    ties = [448.0, 1.0625, 1.1875, -17.0, -19.0, 300.0, 2.0**-10, 1.5 * 2.0**-10]
+    ties = [448.0, 1.0625, 1.1875, -17.0, -19.0, 300.0, 2.0**-10, 1.5 * 2.0**-10, -0.0, -2.0**-12]
     x = torch.zeros(3, 16)
     x[0, : len(ties)] = torch.tensor(ties)
     x[1] = torch.linspace(-5.0, 7.288096904754639, 16)  # absmax / s = 448.00003: saturated to 448
     q, s = quantize_rows_fp8(x)
     assert (x[1, -1] / s[1]).item() > 448.0
     _assert_same((q, s), quantize_rows_fp8_ref(x))
-    expected = [448.0, 1.0, 1.25, -16.0, -20.0, 288.0, 0.0, 2.0**-9]
+    expected = [448.0, 1.0, 1.25, -16.0, -20.0, 288.0, 0.0, 2.0**-9, -0.0, -0.0]
     assert q[0, : len(ties)].float().tolist() == expected
+    assert q[0, len(ties) - 2:len(ties)].view(torch.uint8).tolist() == [0x80, 0x80]  # negative zeros keep their sign
     assert q[1].float().abs().max() == 448.0 and s[2].item() == 1.0 and not q[2].float().any()
 
 
