@@ -115,11 +115,13 @@ def rotary_modules(processor: Any, module: Any) -> tuple:
 def paired_rotary(original):
     """A drop-in for Diffusers' ``apply_rotary_emb`` (``original``): its ``use_real=True, use_real_unbind_dim=-1``
     calls on CUDA tensors with float32 ``(S, D)`` tables in one launch (``"paired"`` tables), bit for bit; every
-    other call to ``original``."""
+    other call to ``original``. Only float32 tables: Diffusers multiplies ``x.float()`` by them, so tables in a
+    narrower dtype give float32 products, where the kernel would round them to the tables' dtype."""
 
     def apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2):
         if use_real and use_real_unbind_dim == -1 and sequence_dim in (1, 2) and x.dim() == 4 \
-                and isinstance(freqs_cis, (tuple, list)) and len(freqs_cis) == 2 and freqs_cis[0].dim() == 2:
+                and isinstance(freqs_cis, (tuple, list)) and len(freqs_cis) == 2 and freqs_cis[0].dim() == 2 \
+                and freqs_cis[0].dtype == torch.float32:
             view = x if sequence_dim == 1 else x.transpose(1, 2)  # (B, S, H, D)
             cos, sin = (t[None, :, None, :] for t in freqs_cis)
             if _kernel_takes(view, cos, sin):

@@ -107,17 +107,32 @@ def test_diffusers_rotation_is_replaced_only_while_a_processor_runs(family, call
     assert embeddings.apply_rotary_emb is original and torch.equal(call(), base)
 
 
+def test_narrower_tables_go_to_diffusers_own_rotation(monkeypatch):
+    """Diffusers multiplies ``x.float()`` by bf16 tables in float32, where the kernel rounds the products to the
+    tables' dtype: such calls are Diffusers' own even where the kernel could take them."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    from quantpatch.patches.diffusers import rotary
+
+    monkeypatch.setattr(rotary, "_kernel_takes", lambda *tensors: True)
+    x = torch.randn(1, 2, 5, 8).to(torch.bfloat16)
+    angle = torch.randn(5, 4).repeat_interleave(2, -1)
+    tables = (angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16))
+    assert torch.equal(paired_rotary(apply_rotary_emb)(x, tables), apply_rotary_emb(x, tables))
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("sequence_dim", [1, 2])
-def test_gpu_replacement_equals_diffusers_rotation_bit_for_bit(sequence_dim):
+@pytest.mark.parametrize("tables_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_replacement_equals_diffusers_rotation_bit_for_bit(sequence_dim, tables_dtype):
     from diffusers.models.embeddings import apply_rotary_emb
 
     gen = torch.Generator(device="cuda").manual_seed(sequence_dim)
     shape = (2, 333, 24, 128) if sequence_dim == 1 else (2, 24, 333, 128)
     x = (torch.randn(shape, device="cuda", generator=gen) * 9).to(torch.bfloat16)
     angle = torch.randn(333, 64, device="cuda", generator=gen).repeat_interleave(2, -1) * 4
-    tables = (angle.cos(), angle.sin())
+    tables = (angle.cos().to(tables_dtype), angle.sin().to(tables_dtype))
     fused = paired_rotary(apply_rotary_emb)(x, tables, sequence_dim=sequence_dim)
     assert fused.stride() == x.stride()
     assert torch.equal(fused, apply_rotary_emb(x, tables, sequence_dim=sequence_dim))
