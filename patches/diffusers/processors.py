@@ -28,7 +28,7 @@ from quantpatch.patches.diffusers.context_parallel import (
     bound_forward_op,
     context_parallel_attention,
 )
-from quantpatch.patches.diffusers.key_padding import kept_prefix
+from quantpatch.patches.diffusers.key_padding import kept_prefixes
 from quantpatch.patches.diffusers.rotary import paired_rotary, rotary_modules, rotary_parameter, rotate, take_rotary
 
 
@@ -75,26 +75,39 @@ class _Router:
             return True
         return False
 
-    def _kept_keys(self, query, key, value, attn_mask, scale):
-        """``(key, value, None)`` over the keys a prefix-keeping mask keeps (:mod:`.key_padding`) where, under
-        ``policy="speed"``, a kernel takes that unmasked call; ``(key, value, attn_mask)`` otherwise, so that calls
-        left to the processor's own attention keep their mask and their bits. BSHD layout."""
-        n = kept_prefix(attn_mask, key.shape[1]) if self.policy == "speed" else None
-        if n is None:
-            return key, value, attn_mask
-        kept_key, kept_value = key[:, :n], value[:, :n]
-        call = AttentionCall(query.transpose(1, 2), kept_key.transpose(1, 2), kept_value.transpose(1, 2), self.config,
-                             False, scale, None, False)
-        if speed_route(call)[2] is not None:
-            return key, value, attn_mask
-        return kept_key, kept_value, None
+    def _kept_rows(self, query, key, value, attn_mask, scale) -> list | None:
+        """The unmasked calls ``[(query, key, value), ...]`` over the keys a prefix-keeping mask keeps
+        (:mod:`.key_padding`): one for the batch where every row keeps the same prefix, one per row where the rows
+        keep different ones. None where the mask keeps no prefixes, the policy is not ``"speed"``, or a kernel would
+        not take every one of those calls: the processor's own masked call then runs, with its bits. BSHD layout."""
+        counts = kept_prefixes(attn_mask, key.shape[1]) if self.policy == "speed" else None
+        if counts is None:
+            return None
+        if len(set(counts)) == 1:
+            calls = [(query, key[:, :counts[0]], value[:, :counts[0]])]
+        elif len(counts) == query.shape[0] == key.shape[0]:
+            calls = [(query[b:b + 1], key[b:b + 1, :n], value[b:b + 1, :n]) for b, n in enumerate(counts)]
+        else:
+            return None
+        for q, k, v in calls:
+            call = AttentionCall(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.config, False, scale,
+                                 None, False)
+            if speed_route(call)[2] is not None:
+                return None
+        return calls
 
     def dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                  enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
         if self.pending_rotary is not None:
             query, key = self._rotated(query, key, "BSHD")
         if attn_mask is not None and parallel_config is None and not is_causal and not dropout_p:
-            key, value, attn_mask = self._kept_keys(query, key, value, attn_mask, scale)
+            kept = self._kept_rows(query, key, value, attn_mask, scale)
+            if kept is not None and len(kept) > 1:  # rows of different prompt lengths: a kernel call each
+                with running_site(self.record):
+                    return torch.cat([attention(q, k, v, mode=self.config, scale=scale, layout="BSHD",
+                                                strict=self.strict) for q, k, v in kept])
+            if kept is not None:
+                (query, key, value), attn_mask = kept[0], None
         lengths = (query.shape[1], key.shape[1])
         if parallel_config is not None:  # Diffusers' context parallelism: Ulysses / ring around our attention
             lengths = attention_lengths(parallel_config, *lengths)
