@@ -5,7 +5,7 @@
 * :mod:`.fireq_kv`: FireQ's INT4 KV cache, FP8 queries, decode attention and key scalings;
 * :mod:`.w4a8`: FireQ's W4A8-FP linear;
 * :mod:`.fp8_linear`: the FP8 linear;
-* :mod:`.rotary`: the rotary embedding over interleaved channel pairs that Wan2.1 applies to its queries and keys.
+* :mod:`.rotary`: the rotary embedding of queries and keys, in the forms Wan2.1, Diffusers and Transformers use.
 
 Shared by every op: :mod:`.quant_ref` (quantization primitives), :mod:`.device` (which device runs which kernel),
 :mod:`.compiled_launch` (launch plans), :mod:`.rounding_triton` (Triton rounding functions) and

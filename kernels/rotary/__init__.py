@@ -1,2 +1,2 @@
-"""Rotary position embedding over interleaved channel pairs, as Wan2.1 applies it to its queries and keys (PyTorch
+"""Rotary position embedding of queries and keys, in the forms Wan2.1, Diffusers and Transformers use (PyTorch
 reference, one Triton launch)."""

@@ -102,12 +102,11 @@ class _Router:
             query, key = self._rotated(query, key, "BSHD")
         if attn_mask is not None and parallel_config is None and not is_causal and not dropout_p:
             kept = self._kept_rows(query, key, value, attn_mask, scale)
-            if kept is not None and len(kept) > 1:  # rows of different prompt lengths: a kernel call each
+            if kept is not None:  # routed above: a kernel takes each unmasked call (one a row where rows differ)
                 with running_site(self.record):
-                    return torch.cat([attention(q, k, v, mode=self.config, scale=scale, layout="BSHD",
-                                                strict=self.strict) for q, k, v in kept])
-            if kept is not None:
-                (query, key, value), attn_mask = kept[0], None
+                    outs = [attention(q, k, v, mode=self.config, scale=scale, layout="BSHD", strict=self.strict)
+                            for q, k, v in kept]
+                return outs[0] if len(outs) == 1 else torch.cat(outs)
         lengths = (query.shape[1], key.shape[1])
         if parallel_config is not None:  # Diffusers' context parallelism: Ulysses / ring around our attention
             lengths = attention_lengths(parallel_config, *lengths)
