@@ -14,10 +14,12 @@ random latents and text embeddings of the pipeline's shapes (no VAE, text encode
 | ``cogvideox-5b`` | CogVideoX-5B, 480x720, 49 frames: 17,550 video + 226 text tokens, D=64; one step |
 | ``hunyuanvideo`` | HunyuanVideo, 544x960, 129 frames: 67,320 video + 256 text tokens (64 valid); one step |
 | ``flux-dev`` | Flux.1-dev, 1024x1024: 4,096 image + 512 text tokens; one step |
+| ``ltx-video`` | LTX-Video 2B, 704x480, 161 frames: latent 21x15x22, patch 1: 6,930 tokens, D=64; one step |
 | ``llama3-8b-prefill-*`` | Llama-3-8B forward over B=1 / 8 prompts of 8k / 32k tokens, last token's logits |
 | ``llama3-8b-decode-*`` | ``generate()`` ms per new token after a 4k (B=1) / 32k (B=8) prompt |
 
-Wan rows also cross-attend to 512 text tokens; HunyuanVideo's joint attention has a key mask (padded text).
+Wan rows also cross-attend to 512 text tokens, LTX-Video to 128; HunyuanVideo's joint attention has a key mask
+(padded text).
 
 Columns: ``sdpa`` (the unpatched model, PyTorch's SDPA backend choice: the baseline), ``sdpa-cudnn`` (unpatched,
 ``sdpa_kernel(CUDNN_ATTENTION)``), each quantpatch mode that runs without calibration (``--modes``), with
@@ -114,6 +116,11 @@ HUNYUAN_VIDEO = dict(in_channels=16, out_channels=16, num_attention_heads=24, at
 FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
                 axes_dims_rope=(16, 56, 56))
+# Lightricks/LTX-Video (2B), transformer/config.json
+LTX_VIDEO = dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
+                 attention_head_dim=64, cross_attention_dim=2048, num_layers=28, activation_fn="gelu-approximate",
+                 qk_norm="rms_norm_across_heads", norm_elementwise_affine=False, norm_eps=1e-6, caption_channels=4096,
+                 attention_bias=True, attention_out_bias=True)
 # meta-llama/Meta-Llama-3-8B, config.json
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
@@ -134,6 +141,8 @@ TINY = {
     "flux": dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=32,
                  num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, guidance_embeds=True,
                  axes_dims_rope=(8, 12, 12)),
+    "ltx": dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=32, cross_attention_dim=64,
+                num_layers=2, caption_channels=16),
     "llama": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False),
 }
@@ -143,7 +152,7 @@ TINY = {
 class ModelSpec:
     """A model class and its config; ``layer_keys``: the config fields that count its transformer blocks."""
 
-    family: str  # wan | cogvideox | hunyuan | flux | llama
+    family: str  # wan | cogvideox | hunyuan | flux | ltx | llama
     cls: str  # "diffusers.WanTransformer3DModel", "transformers.LlamaForCausalLM"
     config: dict
     layer_keys: tuple[str, ...]
@@ -160,6 +169,7 @@ MODELS = {
     "hunyuanvideo": ModelSpec("hunyuan", "diffusers.HunyuanVideoTransformer3DModel", HUNYUAN_VIDEO,
                               ("num_layers", "num_single_layers")),
     "flux.1-dev": ModelSpec("flux", "diffusers.FluxTransformer2DModel", FLUX_DEV, ("num_layers", "num_single_layers")),
+    "ltx-video": ModelSpec("ltx", "diffusers.LTXVideoTransformer3DModel", LTX_VIDEO, ("num_layers",)),
     "llama-3-8b": ModelSpec("llama", "transformers.LlamaForCausalLM", LLAMA3_8B, ("num_hidden_layers",)),
 }
 
@@ -186,6 +196,8 @@ ROWS = [
         dict(latent=(13, 16, 60, 90), height=480, width=720), dict(latent=(3, 4, 8, 8), height=64, width=64)),
     Row("flux-dev", "flux.1-dev", "step", "1024x1024: 4,096 image + 512 text tokens, one step",
         dict(grid=(64, 64), text=512), dict(grid=(6, 6), text=7)),
+    Row("ltx-video", "ltx-video", "step", "704x480, 161 frames: 6,930 tokens + 128 text, one step",
+        dict(latent=(21, 15, 22), text=128), dict(latent=(3, 4, 4), text=7)),
     Row("llama3-8b-prefill-8k-b1", "llama-3-8b", "prefill", "prefill B=1 x 8,192 tokens",
         dict(batch=1, seq=8192), dict(batch=1, seq=64)),
     Row("llama3-8b-prefill-8k-b8", "llama-3-8b", "prefill", "prefill B=8 x 8,192 tokens",
@@ -319,6 +331,12 @@ def diffusion_inputs(spec: ModelSpec, config: dict, shape: dict, device: torch.d
                     pooled_projections=rand(1, config["pooled_projection_dim"]),
                     guidance=torch.tensor([3.5], device=device), img_ids=img_ids.to(device),
                     txt_ids=torch.zeros(shape["text"], 3, device=device))
+    if spec.family == "ltx":  # latents packed (B, F·H·W, C), as LTXPipeline passes them; its RoPE scale
+        frames, h, w = shape["latent"]
+        return dict(hidden_states=rand(1, frames * h * w, config["in_channels"]), timestep=t,
+                    encoder_hidden_states=rand(1, shape["text"], config["caption_channels"]),
+                    encoder_attention_mask=torch.ones(1, shape["text"], dtype=torch.long, device=device),
+                    num_frames=frames, height=h, width=w, rope_interpolation_scale=(8 / 25, 32, 32))
     raise ValueError(f"no inputs for family {spec.family!r}")
 
 

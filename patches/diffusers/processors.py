@@ -29,7 +29,7 @@ from quantpatch.patches.diffusers.context_parallel import (
     context_parallel_attention,
 )
 from quantpatch.patches.diffusers.key_padding import kept_prefixes
-from quantpatch.patches.diffusers.rotary import paired_rotary, rotary_modules, rotary_parameter, rotate, take_rotary
+from quantpatch.patches.diffusers.rotary import fused_rotation, rotary_parameter, rotate, take_rotary
 
 
 class _Router:
@@ -141,8 +141,8 @@ class QuantpatchProcessor:
     ``dispatch_attention_fn``) to the processor's own work. A processor that rotates its query and key as Wan's does
     (:func:`~quantpatch.patches.diffusers.rotary.rotary_parameter`) gets ``rotary_emb=None`` and its attention
     call rotates them in one kernel launch each, bit for bit as the processor would have; one that calls Diffusers'
-    ``apply_rotary_emb`` finds the one-launch form of it (:func:`~quantpatch.patches.diffusers.rotary.paired_rotary`)
-    under that name while it runs.
+    ``apply_rotary_emb`` (or LTX-Video's own) finds the one-launch form of it
+    (:func:`~quantpatch.patches.diffusers.rotary.fused_rotation`) under that name while it runs.
     """
 
     def __init__(self, original: Any, config: AttentionConfig, record: SiteRecord, strict: bool, route: str,
@@ -154,9 +154,8 @@ class QuantpatchProcessor:
         self.router = _Router(config, record, strict, dispatch, policy)
         self.swaps_dispatch = route == "dispatch" and dispatch is not None
         self.rotary_index = rotary_parameter(original) if self.swaps_dispatch else None
-        self.rotary_modules = () if self.rotary_index is not None else rotary_modules(original, self.module)
-        self.fused_rotary = paired_rotary(self.rotary_modules[0].apply_rotary_emb) \
-            if self.rotary_modules else None
+        self.rotary_modules, self.fused_rotary = ((), None) if self.rotary_index is not None \
+            else fused_rotation(original, self.module)
 
     def __call__(self, attn: Any, *args: Any, **kwargs: Any) -> Any:
         functional, router = torch.nn.functional, self.router

@@ -12,6 +12,10 @@ over, each bit for bit (:mod:`quantpatch.kernels.rotary.rotary_ref`), by the Tri
   name (in ``diffusers.models.embeddings`` and in the processor's module, where it is the same function) is
   :func:`paired_rotary`'s replacement, which takes the ``use_real=True, use_real_unbind_dim=-1`` calls on CUDA
   (the ``"paired"`` tables) and hands every other call to the original.
+* LTX-Video's processor calls its module's own ``apply_rotary_emb(x, freqs)``, the same arithmetic over all
+  ``C = heads · head_dim`` channels of ``x (B, S, C)`` before the heads are split. Where that function's source is
+  exactly this rotation, it is :func:`channel_rotary`'s replacement while the processor runs (the ``"paired"``
+  tables, the channels as one head).
 
 Processors whose source differs (another Diffusers version) run their own rotation unchanged.
 """
@@ -42,6 +46,13 @@ _ROTATION = (
     "key=apply_rotary_emb(key,*rotary_emb)",
 )
 _PARAMETER = "rotary_emb"
+# LTX-Video's module-level rotation of x (B, S, C) by float32 (B, S, C) tables: the "paired" arithmetic over C
+_CHANNEL_ROTATION = (
+    "defapply_rotary_emb(x,freqs):cos,sin=freqs",
+    "x_real,x_imag=x.unflatten(2,(-1,2)).unbind(-1)",
+    "x_rotated=torch.stack([-x_imag,x_real],dim=-1).flatten(2)",
+    "out=(x.float()*cos+x_rotated.float()*sin).to(x.dtype)returnout",
+)
 
 
 def rotary_parameter(processor: Any) -> int | None:
@@ -97,19 +108,24 @@ def _kernel_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool
     return rotary_unsupported(x, cos, sin) is None
 
 
-def rotary_modules(processor: Any, module: Any) -> tuple:
-    """The modules whose ``apply_rotary_emb`` a processor's call may read as Diffusers' own: Diffusers' embeddings
-    module (a call may import it there) and the processor's ``module`` where it holds the same function; none
-    where the processor's source never calls that name, or Diffusers has no such function."""
+def fused_rotation(processor: Any, module: Any) -> tuple[tuple, Any]:
+    """``(modules, replacement)``: the modules whose ``apply_rotary_emb`` a processor's call may read, and the
+    one-launch function to put under that name while it runs. Diffusers' own function (:func:`paired_rotary`) in
+    Diffusers' embeddings module (a call may import it there) and in the processor's ``module`` where it holds the
+    same function; the processor module's own function instead where that is LTX-Video's rotation
+    (:func:`channel_rotary`); ``((), None)`` where the processor's source never calls that name or neither is found."""
     try:
         from diffusers.models import embeddings
         source = inspect.getsource(type(processor).__call__)
     except (ImportError, OSError, TypeError):
-        return ()
-    original = getattr(embeddings, _APPLY, None)
-    if original is None or f"{_APPLY}(" not in source:
-        return ()
-    return tuple(m for m in (embeddings, module) if getattr(m, _APPLY, None) is original)
+        return (), None
+    if f"{_APPLY}(" not in source:
+        return (), None
+    original, own = getattr(embeddings, _APPLY, None), getattr(module, _APPLY, None)
+    if own is not None and own is not original and source_holds(own, _CHANNEL_ROTATION):
+        return (module,), channel_rotary(own)
+    modules = tuple(m for m in (embeddings, module) if original is not None and getattr(m, _APPLY, None) is original)
+    return (modules, paired_rotary(original)) if modules else ((), None)
 
 
 def paired_rotary(original):
@@ -131,5 +147,24 @@ def paired_rotary(original):
                 return out if sequence_dim == 1 else out.transpose(1, 2)
         return original(x, freqs_cis, use_real=use_real, use_real_unbind_dim=use_real_unbind_dim,
                         sequence_dim=sequence_dim)
+
+    return apply_rotary_emb
+
+
+def channel_rotary(original):
+    """A drop-in for LTX-Video's ``apply_rotary_emb(x, freqs)`` (``original``): ``x (B, S, C)`` on CUDA with float32
+    ``(1 or B, S, C)`` tables in one launch (the ``"paired"`` form with the ``C`` channels as one head), bit for bit;
+    every other call to ``original``."""
+
+    def apply_rotary_emb(x, freqs):
+        if x.dim() == 3 and isinstance(freqs, (tuple, list)) and len(freqs) == 2 and freqs[0].dim() == 3 \
+                and freqs[0].dtype == torch.float32:
+            view = x[:, :, None, :]  # (B, S, 1, C)
+            cos, sin = (t[:, :, None, :] for t in freqs)
+            if _kernel_takes(view, cos, sin):
+                from quantpatch.kernels.rotary.rotary_triton import rotary_embedding_checked
+
+                return rotary_embedding_checked(view, cos, sin, "paired")[:, :, 0, :]
+        return original(x, freqs)
 
     return apply_rotary_emb

@@ -14,7 +14,8 @@ from quantpatch.cli_commands import load_eval_script
 
 pytest.importorskip("diffusers")
 
-ROWS = ["wan-1.3b", "cogvideox-5b", "flux-dev", "llama3-8b-prefill-8k-b1", "llama3-8b-decode-b1-4k", "hunyuanvideo"]
+ROWS = ["wan-1.3b", "cogvideox-5b", "flux-dev", "ltx-video", "llama3-8b-prefill-8k-b1", "llama3-8b-decode-b1-4k",
+        "hunyuanvideo"]
 MODES = ["sage2-8b", "turbo"]
 DECODE_TOKENS = 4
 
@@ -51,7 +52,7 @@ def test_files_written(quick_run):
 def test_every_row_and_column(bench, quick_run):
     result, _ = quick_run
     got = {(r["row"], r["column"]) for r in result["rows"]}
-    diffusers_rows = {"wan-1.3b", "cogvideox-5b", "flux-dev", "hunyuanvideo"}
+    diffusers_rows = {"wan-1.3b", "cogvideox-5b", "flux-dev", "ltx-video", "hunyuanvideo"}
     want = {(row, col) for row in ROWS for col in ["sdpa", "sdpa-cudnn", *MODES]}
     want |= {(row, "diffusers-sage") for row in diffusers_rows}
     assert got == want
@@ -135,8 +136,9 @@ def test_real_rows_token_counts(bench):
     assert video_tokens(rows["cogvideox-5b"]) + bench.COGVIDEOX_5B["max_text_seq_length"] == 17776
     assert video_tokens(rows["hunyuanvideo"]) == 67320
     assert math.prod(rows["flux-dev"].shape["grid"]) == 4096
+    assert math.prod(rows["ltx-video"].shape["latent"]) == 6930  # packed latents: patch size 1
     for name, width in [("wan2.1-t2v-1.3b", 1536), ("wan2.1-t2v-14b", 5120), ("hunyuanvideo", 3072),
-                        ("flux.1-dev", 3072), ("cogvideox-5b", 3072)]:
+                        ("flux.1-dev", 3072), ("cogvideox-5b", 3072), ("ltx-video", 2048)]:
         config = bench.MODELS[name].config
         assert config["num_attention_heads"] * config["attention_head_dim"] == width, name
 

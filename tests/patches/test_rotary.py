@@ -1,11 +1,11 @@
 """Processors' rotary embeddings in one launch (``patches/diffusers/rotary.py``): bit for bit the processors' own.
 
 Wan's rotation moves from its processor into the patched attention call; CogVideoX, Flux and HunyuanVideo find the
-one-launch form of Diffusers' ``apply_rotary_emb`` under that name while their processors run (the tiny CogVideoX passes
-no rotary embedding; Flux and HunyuanVideo do). CPU, tiny
-transformers (``quantpatch.testing.diffusers_tiny``): the rotations run the reference or Diffusers' own function;
-the Triton kernel's bit-exactness against them is ``tests/kernels``', and the ``gpu`` test runs the patch's
-replacement on CUDA.
+one-launch form of Diffusers' ``apply_rotary_emb`` (LTX-Video of its own) under that name while their processors run
+(the tiny CogVideoX passes no rotary embedding; Flux, HunyuanVideo and LTX-Video do). CPU, tiny transformers
+(``quantpatch.testing.diffusers_tiny``): the rotations run the reference or the models' own functions; the Triton
+kernel's bit-exactness against them is ``tests/kernels``' (and LTX-Video's here), and the ``gpu`` tests run the
+patch's replacements on CUDA.
 """
 
 import pytest
@@ -78,33 +78,56 @@ def test_a_processor_that_makes_no_attention_call_raises(monkeypatch, no_leaks):
     assert torch.equal(call(), base)
 
 
-@pytest.mark.parametrize("family, calls", [("FluxTransformer2DModel", 4),
-                                           ("HunyuanVideoTransformer3DModel", 4)])
-def test_diffusers_rotation_is_replaced_only_while_a_processor_runs(family, calls, monkeypatch, no_leaks):
-    from diffusers.models import embeddings
+@pytest.mark.parametrize("family, calls, factory, module", [
+    ("FluxTransformer2DModel", 4, "paired_rotary", "diffusers.models.embeddings"),
+    ("HunyuanVideoTransformer3DModel", 4, "paired_rotary", "diffusers.models.embeddings"),
+    ("LTXVideoTransformer3DModel", 4, "channel_rotary", "diffusers.models.transformers.transformer_ltx"),
+])
+def test_diffusers_rotation_is_replaced_only_while_a_processor_runs(family, calls, factory, module, monkeypatch,
+                                                                     no_leaks):
+    import importlib
 
-    original = embeddings.apply_rotary_emb
+    from quantpatch.patches.diffusers import rotary
+
+    holder = importlib.import_module(module)
+    original = holder.apply_rotary_emb
     seen = []
+    make = getattr(rotary, factory)
 
     def counting(function):
-        fused = paired_rotary(function)
+        fused = make(function)
 
         def apply_rotary_emb(x, *args, **kwargs):
-            seen.append(embeddings.apply_rotary_emb is wrapper)
+            seen.append(holder.apply_rotary_emb is wrapper)
             return fused(x, *args, **kwargs)
 
         wrapper = apply_rotary_emb
         return wrapper
 
-    monkeypatch.setattr(processors, "paired_rotary", counting)
+    monkeypatch.setattr(rotary, factory, counting)
     model, call = tiny_transformer(family)
     base = call()
     with qp.patch_model(model, "sage2-8b"):
-        assert embeddings.apply_rotary_emb is original  # swapped only inside a processor's call
+        assert holder.apply_rotary_emb is original  # swapped only inside a processor's call
         out = call()
     assert len(seen) == calls and all(seen)  # query and key of each rotating processor, through the replacement
-    assert torch.equal(out, base)  # on the CPU the replacement hands every call to Diffusers' own function
-    assert embeddings.apply_rotary_emb is original and torch.equal(call(), base)
+    assert torch.equal(out, base)  # on the CPU the replacement hands every call to the model's own function
+    assert holder.apply_rotary_emb is original and torch.equal(call(), base)
+
+
+def test_ltx_rotation_in_one_launch_equals_ltx_own_bit_for_bit():
+    """The kernel (the interpreter on the CPU) on LTX-Video's ``(B, S, C)`` query with its float32 ``(B, S, C)``
+    tables, the channels as one head: LTX's own ``apply_rotary_emb``, bit for bit."""
+    from diffusers.models.transformers.transformer_ltx import apply_rotary_emb
+
+    from quantpatch.kernels.rotary.rotary_triton import rotary_embedding
+
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(2, 9, 64, generator=gen) * 9).to(torch.bfloat16)
+    angle = torch.randn(2, 9, 32, generator=gen).repeat_interleave(2, -1) * 4
+    tables = (angle.cos(), angle.sin())
+    got = rotary_embedding(x[:, :, None], *(t[:, :, None] for t in tables), "paired")[:, :, 0]
+    assert torch.equal(got, apply_rotary_emb(x, tables))
 
 
 def test_narrower_tables_go_to_diffusers_own_rotation(monkeypatch):
@@ -136,3 +159,17 @@ def test_gpu_replacement_equals_diffusers_rotation_bit_for_bit(sequence_dim, tab
     fused = paired_rotary(apply_rotary_emb)(x, tables, sequence_dim=sequence_dim)
     assert fused.stride() == x.stride()
     assert torch.equal(fused, apply_rotary_emb(x, tables, sequence_dim=sequence_dim))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_ltx_replacement_equals_ltx_rotation_bit_for_bit():
+    from diffusers.models.transformers.transformer_ltx import apply_rotary_emb
+
+    from quantpatch.patches.diffusers.rotary import channel_rotary
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(2, 333, 2048, device="cuda", generator=gen) * 9).to(torch.bfloat16)
+    angle = torch.randn(2, 333, 1024, device="cuda", generator=gen).repeat_interleave(2, -1) * 4
+    tables = (angle.cos(), angle.sin())
+    assert torch.equal(channel_rotary(apply_rotary_emb)(x, tables), apply_rotary_emb(x, tables))
