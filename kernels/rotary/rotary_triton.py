@@ -56,14 +56,15 @@ def _rotary_kernel(
     X_ptr, C_ptr, S_ptr, O_ptr,
     N_TOK, SEQ,
     stride_xb, stride_xs, stride_xh,
-    stride_cb, stride_cs,
+    stride_cb, stride_cs, stride_ch,
     stride_ob, stride_os, stride_oh,
     D: tl.constexpr, BLOCK_H: tl.constexpr, TOKENS: tl.constexpr, FORM: tl.constexpr, PRODUCTS: tl.constexpr,
-    OUT: tl.constexpr, EMULATE: tl.constexpr,
+    OUT: tl.constexpr, HEAD_TABLES: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """Positions ``TOKENS · program_id(0)`` on (flattened batch × sequence), heads ``BLOCK_H · program_id(1)`` on;
     each head's ``D`` channels read and written contiguously. ``FORM``: 0 ``"wan"``, 1 ``"paired"``, 2
-    ``"halves"``; ``PRODUCTS`` / ``OUT``: the rounding of the products and of the result (:func:`_round`)."""
+    ``"halves"``; ``PRODUCTS`` / ``OUT``: the rounding of the products and of the result (:func:`_round`);
+    ``HEAD_TABLES``: the tables hold a row per head (``stride_ch``), else one row every head shares."""
     HALVES: tl.constexpr = FORM == 2
     chans = tl.arange(0, D)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -72,10 +73,15 @@ def _rotary_kernel(
         if tok < N_TOK:
             b = (tok // SEQ).to(tl.int64)
             pos = (tok % SEQ).to(tl.int64)
-            c = tl.load(C_ptr + b * stride_cb + pos * stride_cs + chans).to(tl.float32)
-            s = tl.load(S_ptr + b * stride_cb + pos * stride_cs + chans).to(tl.float32)
-            c1, c2 = _pairs(tl.reshape(c, [1, D]), 1, D, HALVES)
-            s1, s2 = _pairs(tl.reshape(s, [1, D]), 1, D, HALVES)
+            if HEAD_TABLES:
+                rows = b * stride_cb + pos * stride_cs + heads[:, None] * stride_ch + chans[None, :]
+                c1, c2 = _pairs(tl.load(C_ptr + rows).to(tl.float32), BLOCK_H, D, HALVES)
+                s1, s2 = _pairs(tl.load(S_ptr + rows).to(tl.float32), BLOCK_H, D, HALVES)
+            else:
+                c = tl.load(C_ptr + b * stride_cb + pos * stride_cs + chans).to(tl.float32)
+                s = tl.load(S_ptr + b * stride_cb + pos * stride_cs + chans).to(tl.float32)
+                c1, c2 = _pairs(tl.reshape(c, [1, D]), 1, D, HALVES)
+                s1, s2 = _pairs(tl.reshape(s, [1, D]), 1, D, HALVES)
             if FORM == 0:
                 c2 = c1
                 s1 = s2
@@ -105,11 +111,12 @@ def rotary_unsupported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dtype not in (torch.float32, x.dtype):
             return f"{name} must be float32 or x's dtype {x.dtype}, got {t.dtype}"
-        if t.dim() != 4 or t.shape[1:] != (seq, 1, d) or t.shape[0] not in (1, b):
-            return f"{name} must have shape (1 or B, S, 1, D) = (.., {seq}, 1, {d}), got {tuple(t.shape)}"
+        if t.dim() != 4 or t.shape[1] != seq or t.shape[2] not in (1, x.shape[2]) or t.shape[3] != d \
+                or t.shape[0] not in (1, b):
+            return f"{name} must have shape (1 or B, S, 1 or H, D) = (.., {seq}, .., {d}), got {tuple(t.shape)}"
         if t.stride(-1) != 1 or t.device != x.device:
             return f"{name} must have contiguous channels on x's device"
-    if cos.stride()[:2] != sin.stride()[:2] or cos.shape != sin.shape or cos.dtype != sin.dtype:
+    if cos.stride()[:3] != sin.stride()[:3] or cos.shape != sin.shape or cos.dtype != sin.dtype:
         return "cos and sin must share shape, strides and dtype"
     return None
 
@@ -119,7 +126,8 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, form
 
     Args:
         x: ``(B, S, H, D)``, any strides with contiguous channels; ``D`` a power of two.
-        cos, sin: ``(1 or B, S, 1, D)``, float32 or ``x``'s dtype, contiguous channels (:func:`rotary_unsupported`).
+        cos, sin: ``(1 or B, S, 1 or H, D)`` (a table every head shares, or one a head), float32 or ``x``'s dtype,
+            contiguous channels (:func:`rotary_unsupported`).
         form: one of ``rotary_ref.FORMS``.
 
     Returns:
@@ -139,11 +147,12 @@ def rotary_embedding_checked(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     n_tok = b * seq
     if n_tok and h:
         cb = cos.stride(0) if cos.shape[0] > 1 else 0
+        head_tables = cos.shape[2] > 1
         block_h = min(MAX_HEADS, h & -h)  # the largest power of two dividing H: no masked heads
         _LAUNCH((cdiv(n_tok, TOKENS), h // block_h),
                 (x, cos, sin, out, n_tok, seq, x.stride(0), x.stride(1), x.stride(2), cb, cos.stride(1),
-                 out.stride(0), out.stride(1), out.stride(2)),
+                 cos.stride(2) if head_tables else 0, out.stride(0), out.stride(1), out.stride(2)),
                 dict(D=d, BLOCK_H=block_h, TOKENS=TOKENS, FORM=_FORM[form], PRODUCTS=_ROUND[cos.dtype],
-                     OUT=_ROUND[x.dtype], EMULATE=interpreting()),
+                     OUT=_ROUND[x.dtype], HEAD_TABLES=head_tables, EMULATE=interpreting()),
                 num_warps=4, enable_fp_fusion=False)
     return out

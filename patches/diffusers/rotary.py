@@ -15,7 +15,7 @@ over, each bit for bit (:mod:`quantpatch.kernels.rotary.rotary_ref`), by the Tri
 * LTX-Video's processor calls its module's own ``apply_rotary_emb(x, freqs)``, the same arithmetic over all
   ``C = heads · head_dim`` channels of ``x (B, S, C)`` before the heads are split. Where that function's source is
   exactly this rotation, it is :func:`channel_rotary`'s replacement while the processor runs (the ``"paired"``
-  tables, the channels as one head).
+  tables, a row per group of 128 channels).
 
 Processors whose source differs (another Diffusers version) run their own rotation unchanged.
 """
@@ -46,6 +46,7 @@ _ROTATION = (
     "key=apply_rotary_emb(key,*rotary_emb)",
 )
 _PARAMETER = "rotary_emb"
+CHANNEL_GROUP = 128  # channels of LTX-Video's (B, S, C) rotation the kernel takes as one head
 # LTX-Video's module-level rotation of x (B, S, C) by float32 (B, S, C) tables: the "paired" arithmetic over C
 _CHANNEL_ROTATION = (
     "defapply_rotary_emb(x,freqs):cos,sin=freqs",
@@ -153,18 +154,20 @@ def paired_rotary(original):
 
 def channel_rotary(original):
     """A drop-in for LTX-Video's ``apply_rotary_emb(x, freqs)`` (``original``): ``x (B, S, C)`` on CUDA with float32
-    ``(1 or B, S, C)`` tables in one launch (the ``"paired"`` form with the ``C`` channels as one head), bit for bit;
+    ``(1 or B, S, C)`` tables in one launch (the ``"paired"`` form, the ``C`` channels split into groups of
+    :data:`CHANNEL_GROUP` the kernel treats as heads, each with its own table rows: the pairs stay whole), bit for bit;
     every other call to ``original``."""
 
     def apply_rotary_emb(x, freqs):
-        if x.dim() == 3 and isinstance(freqs, (tuple, list)) and len(freqs) == 2 and freqs[0].dim() == 3 \
-                and freqs[0].dtype == torch.float32:
-            view = x[:, :, None, :]  # (B, S, 1, C)
-            cos, sin = (t[:, :, None, :] for t in freqs)
+        if x.dim() == 3 and x.shape[-1] % CHANNEL_GROUP == 0 and isinstance(freqs, (tuple, list)) and len(freqs) == 2 \
+                and freqs[0].shape[1:] == x.shape[1:] and freqs[0].dtype == torch.float32:
+            groups = (*x.shape[:2], x.shape[-1] // CHANNEL_GROUP, CHANNEL_GROUP)  # (B, S, C / 128, 128)
+            view = x.unflatten(-1, groups[2:])
+            cos, sin = (t.unflatten(-1, groups[2:]) for t in freqs)
             if _kernel_takes(view, cos, sin):
                 from quantpatch.kernels.rotary.rotary_triton import rotary_embedding_checked
 
-                return rotary_embedding_checked(view, cos, sin, "paired")[:, :, 0, :]
+                return rotary_embedding_checked(view, cos, sin, "paired").flatten(2)
         return original(x, freqs)
 
     return apply_rotary_emb

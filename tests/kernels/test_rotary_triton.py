@@ -86,6 +86,18 @@ def test_bfloat16_rounds_to_nearest_even():
     assert torch.equal(out, rotary_embedding_ref(x, cos, sin))
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_a_table_row_per_head(form):
+    """Tables of shape (B, S, H, D): each head rotated by its own rows, as the reference broadcasts them."""
+    x, cos, sin = _inputs(2, 5, 4, 16, torch.bfloat16)
+    gen = torch.Generator().manual_seed(9)
+    angle = torch.randn(2, 5, 4, 16, generator=gen) * 3
+    cos, sin = angle.cos(), angle.sin()
+    out = rotary_embedding(x, cos, sin, form)
+    assert torch.equal(out, rotary_embedding_ref(x, cos, sin, form))
+    assert not torch.equal(out, rotary_embedding_ref(x, cos[:, :, :1], sin[:, :, :1], form))
+
+
 @pytest.mark.parametrize("bad, needle", [
     (lambda x, c, s: (x[..., :12], c[..., :12], s[..., :12]), "power of two"),
     (lambda x, c, s: (x, c.double(), s), "float32"),

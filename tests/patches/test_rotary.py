@@ -115,19 +115,27 @@ def test_diffusers_rotation_is_replaced_only_while_a_processor_runs(family, call
     assert holder.apply_rotary_emb is original and torch.equal(call(), base)
 
 
-def test_ltx_rotation_in_one_launch_equals_ltx_own_bit_for_bit():
-    """The kernel (the interpreter on the CPU) on LTX-Video's ``(B, S, C)`` query with its float32 ``(B, S, C)``
-    tables, the channels as one head: LTX's own ``apply_rotary_emb``, bit for bit."""
+def test_ltx_rotation_in_one_launch_equals_ltx_own_bit_for_bit(monkeypatch):
+    """The replacement's kernel route (the interpreter on the CPU) on LTX-Video's ``(B, S, C)`` query with its float32
+    ``(B, S, C)`` tables, in groups of 128 channels each with its own table rows: LTX's own ``apply_rotary_emb``, bit
+    for bit; channel counts the groups do not divide go to LTX's function."""
     from diffusers.models.transformers.transformer_ltx import apply_rotary_emb
 
-    from quantpatch.kernels.rotary.rotary_triton import rotary_embedding
+    from quantpatch.kernels.rotary import rotary_triton
+    from quantpatch.patches.diffusers import rotary
 
+    monkeypatch.setattr(rotary, "_kernel_takes", lambda *tensors: True)
+    checked, launches = rotary_triton.rotary_embedding_checked, []
+    monkeypatch.setattr(rotary_triton, "rotary_embedding_checked",
+                        lambda *a: launches.append(a[0].shape) or checked(*a))
     gen = torch.Generator().manual_seed(3)
-    x = (torch.randn(2, 9, 64, generator=gen) * 9).to(torch.bfloat16)
-    angle = torch.randn(2, 9, 32, generator=gen).repeat_interleave(2, -1) * 4
-    tables = (angle.cos(), angle.sin())
-    got = rotary_embedding(x[:, :, None], *(t[:, :, None] for t in tables), "paired")[:, :, 0]
-    assert torch.equal(got, apply_rotary_emb(x, tables))
+    for channels, kernel in ((256, True), (96, False)):
+        x = (torch.randn(2, 9, channels, generator=gen) * 9).to(torch.bfloat16)
+        angle = torch.randn(2, 9, channels // 2, generator=gen).repeat_interleave(2, -1) * 4
+        tables = (angle.cos(), angle.sin())
+        launches.clear()
+        assert torch.equal(rotary.channel_rotary(apply_rotary_emb)(x, tables), apply_rotary_emb(x, tables))
+        assert launches == ([(2, 9, channels // 128, 128)] if kernel else [])
 
 
 def test_narrower_tables_go_to_diffusers_own_rotation(monkeypatch):
@@ -169,7 +177,7 @@ def test_gpu_ltx_replacement_equals_ltx_rotation_bit_for_bit():
     from quantpatch.patches.diffusers.rotary import channel_rotary
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = (torch.randn(2, 333, 2048, device="cuda", generator=gen) * 9).to(torch.bfloat16)
+    x = (torch.randn(2, 333, 2048, device="cuda", generator=gen) * 9).to(torch.bfloat16)  # LTX-Video 2B's C
     angle = torch.randn(2, 333, 1024, device="cuda", generator=gen).repeat_interleave(2, -1) * 4
     tables = (angle.cos(), angle.sin())
     assert torch.equal(channel_rotary(apply_rotary_emb)(x, tables), apply_rotary_emb(x, tables))
