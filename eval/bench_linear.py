@@ -7,7 +7,9 @@ Llama-3-8B projection shapes (K → N: 4096 → 4096, 4096 → 14336, 14336 → 
   path (M ≤ 16: one launch, the quantization fused into the decode GEMM — the Gluon kernel on sm_90, else the
   Triton one; larger M: the activation-quantization kernel then the GEMM — the Gluon prefill kernel on sm_90,
   else the Triton tiled one; on the CPU, the PyTorch reference); ``triton e2e`` (where the layer runs a Gluon
-  kernel): the Triton path instead;
+  kernel): the Triton path instead; ``w4a8-lut e2e``: the same layer with FireQ's look-up-table operand
+  (``weight_operand="lut"``): the activation quantization, the ``e4m3(ŵ σ)`` matrix written from the packed weight,
+  then ``torch._scaled_mm`` rowwise;
 * ``w4a8 gemm``: the GEMM of that path alone on pre-quantized activations
   (:func:`~quantpatch.kernels.w4a8.w4a8_gluon.w4a8_gemm_gluon` /
   :func:`~quantpatch.kernels.w4a8.w4a8_prefill_gluon.w4a8_gemm_prefill_gluon` where the layer runs a Gluon kernel,
@@ -104,6 +106,7 @@ class Layer:
         with torch.no_grad():
             lin.weight.copy_(self.weight)
         self.w4a8 = W4A8Linear.from_linear(lin)
+        self.w4a8_lut = W4A8Linear.from_linear(lin, weight_operand="lut")
         self.fp8 = FP8Linear.from_linear(lin)
         w = self.weight.float()
         self.w_scale_tensor = w.abs().amax() / 448
@@ -179,6 +182,7 @@ def speed_rows(args) -> list[dict]:
             timed(f"fp8-{kind}", lambda i, kind=kind: layer.scaled_mm(kind, *fp8[i][kind]))
         timed("fp8 e2e", lambda i: layer.fp8(xs[i]))
         timed("w4a8 e2e", lambda i: layer.w4a8(xs[i]))
+        timed("w4a8-lut e2e", lambda i: layer.w4a8_lut(xs[i]))
         if kernels:
             args_w = layer.w4a8_args()
             gluon = wt.uses_gluon(m, n, k, args.device)
@@ -245,7 +249,7 @@ def accuracy_rows(args) -> list[dict]:
         x = _inputs(args.acc_m, k, 1, args.device, seed=7)[0]
         ref = torch.nn.functional.linear(x, layer.weight)
         fp8 = layer.fp8_operands(x)
-        outs = {"w4a8 e2e": layer.w4a8(x), "fp8 e2e": layer.fp8(x)}
+        outs = {"w4a8 e2e": layer.w4a8(x), "w4a8-lut e2e": layer.w4a8_lut(x), "fp8 e2e": layer.fp8(x)}
         for kind in ("tensor", "rowwise"):
             try:
                 outs[f"fp8-{kind}"] = layer.scaled_mm(kind, *fp8[kind])

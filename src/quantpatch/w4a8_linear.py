@@ -6,9 +6,10 @@ and an optional ``bias (O,)``. Numerics and layout: :mod:`quantpatch.kernels.w4a
 
 ``forward`` goes through :func:`w4a8_matmul`: the ``w4a8_linear`` op of :mod:`quantpatch.dispatch`, whose
 implementations are the Triton kernels (:mod:`quantpatch.kernels.w4a8.w4a8_triton`, FP8 dots: sm_89+; the Gluon
-ones on sm_90), imported on the first CUDA input (or by ``patch_model``) and registered here, and the pure-PyTorch
-reference computing in float32 (FireQ's accumulator precision). On other devices the reference is the path;
-shapes the kernels do not take fall back to it with one warning.
+ones on sm_90) for the ``"group"`` operand, ``torch._scaled_mm`` on the FP8 matrix of the ``"lut"`` operand
+(:mod:`quantpatch.kernels.w4a8.w4a8_lut_triton`), imported on the first CUDA input (or by ``patch_model``) and
+registered here, and the pure-PyTorch reference computing in float32 (FireQ's accumulator precision). On other
+devices the reference is the path; shapes the kernels do not take fall back to it with one warning.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from quantpatch.kernels.w4a8.w4a8_ref import (
 )
 
 OP, KEY = "w4a8_linear", "w4a8_fp8"  # the op of quantpatch.dispatch and its key (LinearConfig.kind)
+ROUTE_LUT = "scaled_mm (lut)"  # the "lut" operand: its FP8 matrix through torch._scaled_mm
 
 
 def _register_kernels(kernels: ModuleType) -> None:
@@ -65,6 +67,44 @@ def _register_kernels(kernels: ModuleType) -> None:
         return y
 
     register(OP, KEY, Implementation("triton", 10, unsupported, run))
+    register(OP, KEY, Implementation(ROUTE_LUT, 20, _lut_unsupported, _lut_run))
+
+
+def _lut_unsupported(call: LinearCall) -> str | None:
+    """Why ``torch._scaled_mm`` cannot run this call's ``"lut"`` product (quiet for the ``"group"`` operand, which
+    the Triton and Gluon kernels take, and where the device cannot run FP8 GEMMs: the reference is its path)."""
+    from quantpatch.fp8_linear import scaled_mm_unsupported
+
+    x, layer = call.x, call.layer
+    if layer.weight_operand != "lut":
+        return Quiet(f"weight_operand={layer.weight_operand!r} (this path takes 'lut')")
+    bias = layer._buffers["bias"]
+    reason = scaled_mm_unsupported(x.device, x.dtype, bias is not None)
+    if reason is not None:
+        return reason if x.is_cuda else Quiet(reason)
+    if layer.group_size != GROUP_SIZE or layer.in_features % GROUP_SIZE or layer.out_features % 16:
+        return (f"{layer.what}: group_size {layer.group_size}, in_features a multiple of {GROUP_SIZE} and "
+                "out_features of 16 are what torch._scaled_mm's operands take")
+    if bias is not None and bias.dtype != x.dtype:
+        return f"a {bias.dtype} bias with {x.dtype} inputs (torch._scaled_mm adds the bias in the output dtype)"
+    return None if x.numel() else Quiet("an empty input")
+
+
+def _lut_run(call: LinearCall) -> torch.Tensor:
+    """``y = β · 2⁻ⁿ · x̂ · e4m3(ŵ σ)ᵀ + b``: FireQ's activation quantization, the look-up-table operand as an FP8
+    matrix (``w4a8_lut_triton``), then ``torch._scaled_mm`` with per-token ``β`` and per-channel ``2⁻ⁿ``."""
+    from quantpatch.kernels.w4a8.w4a8_act_quant_triton import quantize_activation_fp8
+    from quantpatch.kernels.w4a8.w4a8_lut_triton import lut_weight_fp8
+
+    x, layer = call.x, call.layer
+    buffers = layer._buffers
+    x2 = x.reshape(-1, layer.in_features)
+    x_hat, beta = quantize_activation_fp8(x2 if x2.stride(-1) == 1 else x2.contiguous())
+    weight = lut_weight_fp8(buffers["qweight"], buffers["scales"])
+    channel_scale = torch.exp2(-buffers["pts_exp"].float()).expand(1, layer.out_features).contiguous()
+    y = torch._scaled_mm(x_hat, weight.t(), scale_a=beta.float().view(-1, 1), scale_b=channel_scale,
+                         bias=buffers["bias"], out_dtype=x.dtype, use_fast_accum=False)
+    return y.view(*x.shape[:-1], layer.out_features)
 
 
 def _reference(call: LinearCall) -> torch.Tensor:

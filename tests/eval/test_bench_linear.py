@@ -55,7 +55,8 @@ def test_every_implementation_timed_with_ratios(quick_run, fp8_baselines):
     rows = _read_csv(out / "speed.csv")
     assert {(r["m"], r["impl"], r["mode"]) for r in rows} == {
         (m, i, mode) for m in ("1", "16") for i in ("bf16", *fp8_baselines, "fp8 e2e", "w4a8 e2e")
-        for mode in ("eager", "stream")}  # no graphs on the CPU; streams of 2 layers
+        for mode in ("eager", "stream")} | {(m, "w4a8-lut e2e", "eager") for m in ("1", "16")}
+    # no graphs on the CPU; streams of 2 layers
     for r in rows:
         assert float(r["ms"]) > 0 and float(r["vs_bf16"]) > 0
         if r["impl"] == "bf16":
@@ -78,6 +79,7 @@ def test_accuracy_orders_int4_below_fp8_weights(quick_run, fp8_baselines):
     fp8 = float(acc[fp8_baselines[-1]]["rel_l1_vs_bf16"])  # row-wise where this torch's CPU has it
     assert 0 < fp8 < w4 < 0.2
     assert 0 < float(acc["fp8 e2e"]["rel_l1_vs_bf16"]) < w4  # FP8Linear: per-token x per-channel, as fp8-rowwise
+    assert 0.9 * w4 < float(acc["w4a8-lut e2e"]["rel_l1_vs_bf16"]) < 1.1 * w4  # one more e4m3 rounding of ŵ σ
     assert int(acc["w4a8 e2e"]["bf16_weight_bytes"]) / int(acc["w4a8 e2e"]["weight_bytes"]) >= 3.5
 
 
@@ -94,5 +96,5 @@ def test_a_baseline_that_cannot_run_is_warned_and_left_out(tmp_path, monkeypatch
         module.main(["--quick", "--device", "cpu", "--stream", "2", "--no-accuracy", "--out", str(tmp_path)])
     rows = _read_csv(tmp_path / "speed.csv")
     assert {(r["impl"], r["mode"]) for r in rows} == {(i, mode) for i in ("bf16", "fp8 e2e", "w4a8 e2e")
-                                                      for mode in ("eager", "stream")}
+                                                      for mode in ("eager", "stream")} | {("w4a8-lut e2e", "eager")}
     assert sum("no FP8 GEMM here" in r.getMessage() for r in caplog.records) == 2 * 2 * 2  # 2 kinds, 2 M, 2 modes
