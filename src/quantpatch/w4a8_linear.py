@@ -87,6 +87,8 @@ def _lut_unsupported(call: LinearCall) -> str | None:
                 "out_features of 16 are what torch._scaled_mm's operands take")
     if bias is not None and bias.dtype != x.dtype:
         return f"a {bias.dtype} bias with {x.dtype} inputs (torch._scaled_mm adds the bias in the output dtype)"
+    if torch.compiler.is_compiling():
+        return Quiet("traced by torch.compile: the path launches its kernels eagerly")
     return None if x.numel() else Quiet("an empty input")
 
 

@@ -90,12 +90,18 @@ def test_the_scaled_mm_path_computes_the_lut_product(bias, monkeypatch):
     assert rel_l1(y.float(), ref.float()) <= 2e-3  # bf16 output: a few elements one bf16 ulp apart
 
 
-def test_the_path_takes_lut_layers_only_and_says_why_not():
+def test_the_path_takes_lut_layers_only_and_says_why_not(monkeypatch):
     x = torch.randn(3, 256).to(torch.bfloat16)
     group = W4A8Linear.from_linear(torch.nn.Linear(256, 48, bias=False))
     assert "this path takes 'lut'" in w4a8_linear._lut_unsupported(dispatch.LinearCall(x, group))
-    cpu = w4a8_linear._lut_unsupported(dispatch.LinearCall(x, _lut_layer(48, 256, False)))
+    lut = dispatch.LinearCall(x, _lut_layer(48, 256, False))
+    cpu = w4a8_linear._lut_unsupported(lut)
     assert isinstance(cpu, dispatch.Quiet) and "CUDA" in cpu  # the CPU's path is the reference, quietly
+    monkeypatch.setattr("quantpatch.fp8_linear.scaled_mm_unsupported", lambda *args: None)
+    assert w4a8_linear._lut_unsupported(dispatch.LinearCall(x, _lut_layer(40, 256, False))).startswith("W4A8Linear")
+    assert "bias" in w4a8_linear._lut_unsupported(dispatch.LinearCall(x, _lut_layer(48, 256, True, torch.float32)))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert "torch.compile" in w4a8_linear._lut_unsupported(lut)
 
 
 @gpu
