@@ -440,11 +440,16 @@ def column_setup(column: str, model: torch.nn.Module, record: dict, policy: str 
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             yield
     elif column == SAGE:
-        model.set_attention_backend("sage")
-        try:
-            yield
-        finally:
-            model.reset_attention_backend()
+        from diffusers.models.attention_dispatch import attention_backend
+
+        # set_attention_backend also makes "sage" Diffusers' process-wide active backend, which
+        # reset_attention_backend leaves: the context manager puts the previous one back for the next columns
+        with attention_backend("sage"):
+            model.set_attention_backend("sage")
+            try:
+                yield
+            finally:
+                model.reset_attention_backend()
     else:
         import quantpatch
 

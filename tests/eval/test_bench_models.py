@@ -191,3 +191,22 @@ def test_rounds_time_every_column_in_turn_and_report_the_median(bench, tmp_path,
     assert rows["sage2-8b"]["speedup"] == 6.0 / 4.0
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--rounds", "0", "--out", str(tmp_path)])
+
+
+def test_sage_column_restores_the_process_wide_backend(bench, monkeypatch):
+    """``set_attention_backend`` also sets Diffusers' process-wide active backend: after the ``diffusers-sage``
+    column every processor of every model (including ones built later) is back on the backend it had before."""
+    import diffusers.models.attention_dispatch as dispatch
+    from diffusers import WanTransformer3DModel
+
+    monkeypatch.setattr(dispatch, "_check_attention_backend_requirements", lambda backend: None)  # no sageattention
+    model = WanTransformer3DModel(num_layers=1, num_attention_heads=2, attention_head_dim=8, in_channels=4,
+                                  out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, rope_max_seq_len=32)
+    before = dispatch._AttentionBackendRegistry._active_backend
+    processors = [m.processor for m in model.modules() if hasattr(getattr(m, "processor", None), "_attention_backend")]
+    assert processors
+    with bench.column_setup(bench.SAGE, model, {}):
+        assert dispatch._AttentionBackendRegistry._active_backend == dispatch.AttentionBackendName.SAGE
+        assert all(p._attention_backend == dispatch.AttentionBackendName.SAGE for p in processors)
+    assert dispatch._AttentionBackendRegistry._active_backend == before
+    assert all(p._attention_backend is None for p in processors)
