@@ -307,7 +307,7 @@ def tune_command(args: argparse.Namespace) -> dict:
     if not torch.cuda.is_available():
         raise UsageError("quantpatch tune measures a GPU against SDPA and needs CUDA; on the CPU, policy='speed' "
                          "runs SDPA everywhere")
-    table = tune(args.modes, args.head_dims, args.lengths, heads=args.heads, out=args.out)
+    table = tune(args.modes, args.head_dims, args.lengths, heads=args.heads, repeats=args.repeats, out=args.out)
     for key, length in table["crossovers"].items():
         print(f"{key:<28} {'never' if length is None else f'from {length} tokens'}")
     return table
@@ -346,6 +346,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     tun.add_argument("--head-dims", nargs="+", type=int_at_least(1), default=list(routing.TUNE_HEAD_DIMS))
     tun.add_argument("--lengths", nargs="+", type=int_at_least(1), default=list(routing.TUNE_LENGTHS))
     tun.add_argument("--heads", type=int_at_least(1), default=32)
+    tun.add_argument("--repeats", type=int_at_least(1), default=2,
+                     help="measurements per shape; each ratio is the lowest (default 2)")
     tun.add_argument("--out", type=Path, default=None, help="default: the user's cache dir, which policy='speed' reads")
     tun.set_defaults(func=tune_command)
     for command, table, what in (("eval", EVAL_SCRIPTS, "an evaluation"), ("bench", BENCH_SCRIPTS, "a benchmark")):

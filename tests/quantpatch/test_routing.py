@@ -30,7 +30,8 @@ def test_cpu_calls_run_sdpa_and_say_so():
 
 @pytest.mark.parametrize("d, causal, n, quantized", [
     (128, False, 4096, False), (128, False, 8192, True), (128, False, 32768, True),
-    (128, True, 8192, False), (128, True, 16384, True), (64, False, 8192, False), (64, False, 16384, True),
+    (128, True, 4096, False), (128, True, 8192, True), (64, False, 4096, False), (64, False, 8192, True),
+    (64, True, 8192, False), (64, True, 16384, True),
 ])
 def test_shipped_sm90_table_decides_by_length(d, causal, n, quantized):
     why = dispatch.speed_reason(SAGE, CUDA, d, n, n, causal)
@@ -69,6 +70,8 @@ def test_the_shipped_sm90_table_is_the_measured_one():
     measured = Path(__file__).resolve().parents[2] / "eval/results/tune/crossovers-sm_90.json"
     shipped = dict(routing.SHIPPED["sm_90"])
     assert shipped.pop(routing.TURBO_CACHE) == 8 * 32768  # from model-level decode runs (its comment), not tune
+    turbo = {key: shipped.pop(key) for key in list(shipped) if key.startswith("turbo/")}
+    assert len(turbo) == 4 and set(turbo.values()) == {None}  # not in the measured run: never routed to its kernel
     assert shipped == routing.read_table(measured)
 
 
@@ -112,8 +115,10 @@ def test_crossover_is_the_first_length_that_wins_from_there_on(lengths, ratios, 
 
 
 def test_tune_writes_a_table_from_measured_times(tmp_path):
-    # scripted timings (sdpa, quantized) per length: the quantized call wins from 32 tokens on
-    script = iter([1.0, 2.0, 1.0, 0.5, 1.0, 0.5] * 2)
+    # scripted timings (sdpa, quantized) per length, measured twice: the quantized call wins at 32 tokens once and
+    # loses the second time (the lower ratio is kept), and wins both times at 64
+    per_length = {16: [1.0, 2.0, 1.0, 2.0], 32: [1.0, 0.5, 1.0, 1.25], 64: [1.0, 0.5, 1.0, 0.5]}
+    script = iter([t for n in (16, 32, 64) for t in per_length[n]] * 2)  # non-causal, then causal
     calls = []
 
     def timer(fn):
@@ -123,9 +128,16 @@ def test_tune_writes_a_table_from_measured_times(tmp_path):
     out = tmp_path / "table.json"
     table = routing.tune(modes=["sage2-8b"], head_dims=[32], lengths=[16, 32, 64], heads=2, device="cpu",
                          timer=timer, out=out)
-    assert len(calls) == 12
-    assert table["crossovers"] == {"sage2/d32/full": 32, "sage2/d32/causal": 32}
+    assert len(calls) == 24
+    assert table["ratios"]["sage2/d32/full"] == {"16": 0.5, "32": 0.8, "64": 2.0}
+    assert table["crossovers"] == {"sage2/d32/full": 64, "sage2/d32/causal": 64}
     assert routing.read_table(out) == table["crossovers"]
+    single = iter([1.0, 2.0, 1.0, 0.5, 1.0, 0.5] * 2)  # once: the win at 32 tokens stands
+    one = routing.tune(modes=["sage2-8b"], head_dims=[32], lengths=[16, 32, 64], heads=2, device="cpu",
+                       timer=lambda fn: next(single), repeats=1, out=out)
+    assert one["crossovers"]["sage2/d32/full"] == 32
+    with pytest.raises(ValueError, match="repeats"):
+        routing.tune(modes=["sage2-8b"], repeats=0, device="cpu", out=out)
 
 
 def test_invalid_policy_is_refused():
@@ -193,8 +205,8 @@ def test_tune_command_prints_and_writes_the_table(capsys, monkeypatch, tmp_path)
 
     seen = {}
 
-    def fake_tune(modes, head_dims, lengths, *, heads, out):
-        seen.update(modes=modes, head_dims=head_dims, lengths=lengths, heads=heads, out=out)
+    def fake_tune(modes, head_dims, lengths, *, heads, repeats, out):
+        seen.update(modes=modes, head_dims=head_dims, lengths=lengths, heads=heads, repeats=repeats, out=out)
         return {"crossovers": {"sage2/d128/full": 8192, "turbo/d128/full": None}}
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -203,6 +215,7 @@ def test_tune_command_prints_and_writes_the_table(capsys, monkeypatch, tmp_path)
     out = capsys.readouterr().out
     assert "from 8192 tokens" in out and "never" in out
     assert seen["modes"] == ["sage2-8b"] and seen["lengths"] == [1024, 2048] and seen["out"] == tmp_path / "t.json"
+    assert seen["repeats"] == 2
 
 
 def test_the_speed_decision_traces_without_a_graph_break():
