@@ -4,8 +4,8 @@
 
 One program per token (:func:`quantize_activation_fp8`): ``a = max_k |x|``, ``β = bf16(a / 448)`` (1 if 0),
 ``x̂ = e4m3(x / β)`` saturating. Bit-exact with :func:`~quantpatch.kernels.w4a8.w4a8_ref.quantize_activation_fp8`
-computing in float32: an IEEE division (``div_rn``), round-half-even to bf16 by integer arithmetic (the
-interpreter's own cast truncates), and the shared saturating e4m3 cast of :mod:`~quantpatch.kernels.rounding_triton`.
+computing in float32: an IEEE division (``div_rn``), and the shared round-half-even bf16 cast and saturating e4m3
+cast of :mod:`~quantpatch.kernels.rounding_triton` (exact under the interpreter too).
 A row of up to ``ACT_BLOCK_K`` is read once. x̂ is stored in channel order or in fragment order
 (:func:`fragment_slots`), the order the Gluon GEMMs read.
 """
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..compiled_launch import interpreting, next_pow2
-from ..rounding_triton import _to_fp8e4m3
+from ..rounding_triton import _to_bf16, _to_fp8e4m3
 from .w4a8_ref import GROUP_SIZE
 
 ACT_BLOCK_K = 16384  # activation-quantization chunk along K: a row up to this long is read once
@@ -26,14 +26,6 @@ ACT_BLOCK_K = 16384  # activation-quantization chunk along K: a row up to this l
 LONG_ROW_CHUNK = 2048
 DECODE_BLOCK_M = 16  # the fp16 mma's row count: the decode kernel takes M ≤ 16
 DECODE_QBLOCK = 4096  # the decode kernels' fused quantization: its chunk along K (registers per producer program)
-
-
-@triton.jit
-def _bf16_rne(x):
-    """Round positive finite fp32 ``x`` to the nearest bf16 (ties to even), returned as fp32."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 = 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -61,7 +53,7 @@ def _quantize_row(x_row, q_row, s_ptr, K, BLOCK_K: tl.constexpr, FRAGMENT: tl.co
         amax = tl.maximum(amax, tl.abs(tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)))
     beta = tl.math.div_rn(tl.max(amax, 0), 448.0)  # e4m3 max
     beta = tl.where(beta == 0.0, 1.0, beta)  # symmetric_scale: an all-zero token gets 1
-    beta = _bf16_rne(beta)
+    beta = _to_bf16(beta, EMULATE).to(tl.float32)
     beta = tl.where(beta == 0.0, 1.0, beta)  # bf16 underflow (absmax < ~1e-36)
     _store_x_hat(q_row, offs, _to_fp8e4m3(tl.math.div_rn(x, beta), EMULATE), offs < K, FRAGMENT)
     for k0 in range(BLOCK_K, K, BLOCK_K):
