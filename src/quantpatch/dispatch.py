@@ -261,8 +261,11 @@ def _crossover(device_index: int, key: str, head_dim: int, is_causal: bool) -> t
         kind = "causal" if is_causal else "non-causal"
         if table is None:
             why = f"no measured crossover for {architecture} (run `quantpatch tune`)"
+        elif routing.entry_key(key, head_dim, is_causal) not in table:
+            why = f"not measured on {architecture} (D={head_dim}, {kind}; {source})"
         elif length == float("inf"):
-            why = f"SDPA was faster at every measured length on {architecture} (D={head_dim}, {kind}; {source})"
+            why = (f"no crossover on {architecture}: SDPA as fast or faster at the longest length measured "
+                   f"(D={head_dim}, {kind}; {source})")
         else:
             why = f"shorter than the {architecture} crossover of {length} tokens (D={head_dim}, {kind}; {source})"
         entry = _CROSSOVERS[device_index, key, head_dim, is_causal] = (length, why)

@@ -46,7 +46,18 @@ def test_cross_attention_over_few_keys_runs_sdpa():
 
 def test_turbo_never_wins_on_sm90():
     turbo = qp.get_mode("turbo").attention
-    assert "every measured length" in dispatch.speed_reason(turbo, CUDA, 128, 32768, 32768, False)
+    assert "no crossover on sm_90: SDPA as fast or faster at the longest length measured" in \
+        dispatch.speed_reason(turbo, CUDA, 128, 32768, 32768, False)
+
+
+def test_an_entry_a_tuned_table_lacks_runs_sdpa_and_says_so(tmp_path):
+    path = routing.user_table_path("sm_90")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"version": routing.TABLE_VERSION,
+                                "crossovers": {routing.entry_key("sage2", 128, False): 2048}}))
+    assert dispatch.speed_reason(SAGE, CUDA, 128, 4096, 4096, False) is None
+    assert f"not measured on sm_90 (D=64, non-causal; {path})" == dispatch.speed_reason(SAGE, CUDA, 64, 32768, 32768,
+                                                                                          False)
 
 
 def test_an_unmeasured_architecture_runs_sdpa(monkeypatch):
