@@ -1,9 +1,14 @@
 """Triton device functions that round as the PyTorch references do, shared by every op's Triton kernels:
-round half to even, the saturating float8 e4m3fn cast and the bfloat16 cast (exact in the interpreter too), and
-IEEE division with one reciprocal per divisor."""
+round half to even, the saturating float8 e4m3fn cast and the bfloat16 cast (exact in the interpreter too), a float32
+value rounded to a narrower float dtype and back, and IEEE division with one reciprocal per divisor."""
 
+import torch
 import triton
 import triton.language as tl
+
+# _round_to's ``ROUND`` id of each dtype it rounds to (float32: no rounding)
+ROUND_TO = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+ROUND_TO_BF16 = tl.constexpr(ROUND_TO[torch.bfloat16])  # a constexpr: @triton.jit code reads only constexpr globals
 
 
 @triton.jit
@@ -40,6 +45,18 @@ def _to_bf16(x, EMULATE: tl.constexpr):
         kept = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         x = tl.where(x != x, x, kept.to(tl.float32, bitcast=True))
     return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _round_to(x, ROUND: tl.constexpr, EMULATE: tl.constexpr):
+    """float32 ``x`` rounded to nearest even onto the grid of the dtype ``ROUND`` names (:data:`ROUND_TO`: 0
+    float32, unchanged; 1 bfloat16, :func:`_to_bf16`; 2 float16, whose cast rounds so in the interpreter too) and
+    back to float32: what a PyTorch reference computes by casting to that dtype. Same shape as ``x``."""
+    if ROUND == 1:
+        x = _to_bf16(x, EMULATE).to(tl.float32)
+    elif ROUND == 2:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
 
 
 @triton.jit

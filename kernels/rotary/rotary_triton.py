@@ -17,21 +17,11 @@ import triton
 import triton.language as tl
 
 from ..compiled_launch import LaunchPlans, cdiv, interpreting
-from ..rounding_triton import _to_bf16
+from ..rounding_triton import ROUND_TO, _round_to
 from .rotary_ref import FORMS
 
 TOKENS = 4  # positions a program
 MAX_HEADS = 8  # heads a program, at most
-
-
-@triton.jit
-def _round(x, ROUND: tl.constexpr, EMULATE: tl.constexpr):
-    """float32 ``x`` rounded to bfloat16 (``ROUND`` 1) or float16 (2) and back; unchanged for 0."""
-    if ROUND == 1:
-        x = _to_bf16(x, EMULATE).to(tl.float32)
-    elif ROUND == 2:
-        x = x.to(tl.float16).to(tl.float32)
-    return x
 
 
 @triton.jit
@@ -63,8 +53,9 @@ def _rotary_kernel(
 ):
     """Positions ``TOKENS · program_id(0)`` on (flattened batch × sequence), heads ``BLOCK_H · program_id(1)`` on;
     each head's ``D`` channels read and written contiguously. ``FORM``: 0 ``"wan"``, 1 ``"paired"``, 2
-    ``"halves"``; ``PRODUCTS`` / ``OUT``: the rounding of the products and of the result (:func:`_round`);
-    ``HEAD_TABLES``: the tables hold a row per head (``stride_ch``), else one row every head shares."""
+    ``"halves"``; ``PRODUCTS`` / ``OUT``: the rounding of the products and of the result (ids of
+    :func:`~quantpatch.kernels.rounding_triton._round_to`); ``HEAD_TABLES``: the tables hold a row per head
+    (``stride_ch``), else one row every head shares."""
     HALVES: tl.constexpr = FORM == 2
     chans = tl.arange(0, D)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -87,9 +78,9 @@ def _rotary_kernel(
                 s1 = s2
             x = tl.load(X_ptr + b * stride_xb + pos * stride_xs + heads[:, None] * stride_xh + chans[None, :])
             x1, x2 = _pairs(x.to(tl.float32), BLOCK_H, D, HALVES)
-            first = (_round(x1 * c1, PRODUCTS, EMULATE) - _round(x2 * s1, PRODUCTS, EMULATE))
-            second = (_round(x1 * s2, PRODUCTS, EMULATE) + _round(x2 * c2, PRODUCTS, EMULATE))
-            out = _round(_unpairs(first, second, BLOCK_H, D, HALVES), OUT, EMULATE)
+            first = (_round_to(x1 * c1, PRODUCTS, EMULATE) - _round_to(x2 * s1, PRODUCTS, EMULATE))
+            second = (_round_to(x1 * s2, PRODUCTS, EMULATE) + _round_to(x2 * c2, PRODUCTS, EMULATE))
+            out = _round_to(_unpairs(first, second, BLOCK_H, D, HALVES), OUT, EMULATE)
             tl.store(O_ptr + b * stride_ob + pos * stride_os + heads[:, None] * stride_oh + chans[None, :],
                      out.to(O_ptr.dtype.element_ty))
 
@@ -97,7 +88,6 @@ def _rotary_kernel(
 _LAUNCH = LaunchPlans(_rotary_kernel)
 
 
-_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # _round's ids
 _FORM = {form: i for i, form in enumerate(FORMS)}
 
 
@@ -105,7 +95,7 @@ def rotary_unsupported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     """Why :func:`rotary_embedding` cannot take these tensors (None if it can)."""
     if x.dim() != 4 or x.shape[-1] < 2 or x.shape[-1] & (x.shape[-1] - 1):
         return f"x must be (B, S, H, D) with D a power of two >= 2, got shape {tuple(x.shape)}"
-    if x.dtype not in _ROUND or x.stride(-1) != 1:
+    if x.dtype not in ROUND_TO or x.stride(-1) != 1:
         return f"x must be float16 / bfloat16 / float32 with contiguous channels (dtype {x.dtype})"
     b, seq, _, d = x.shape
     for name, t in (("cos", cos), ("sin", sin)):
@@ -152,7 +142,7 @@ def rotary_embedding_checked(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         _LAUNCH((cdiv(n_tok, TOKENS), h // block_h),
                 (x, cos, sin, out, n_tok, seq, x.stride(0), x.stride(1), x.stride(2), cb, cos.stride(1),
                  cos.stride(2) if head_tables else 0, out.stride(0), out.stride(1), out.stride(2)),
-                dict(D=d, BLOCK_H=block_h, TOKENS=TOKENS, FORM=_FORM[form], PRODUCTS=_ROUND[cos.dtype],
-                     OUT=_ROUND[x.dtype], HEAD_TABLES=head_tables, EMULATE=interpreting()),
+                dict(D=d, BLOCK_H=block_h, TOKENS=TOKENS, FORM=_FORM[form], PRODUCTS=ROUND_TO[cos.dtype],
+                     OUT=ROUND_TO[x.dtype], HEAD_TABLES=head_tables, EMULATE=interpreting()),
                 num_warps=4, enable_fp_fusion=False)
     return out

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..compiled_launch import interpreting, next_pow2
-from ..rounding_triton import _to_bf16, _to_fp8e4m3
+from ..rounding_triton import ROUND_TO_BF16, _round_to, _to_fp8e4m3
 from .w4a8_ref import GROUP_SIZE
 
 ACT_BLOCK_K = 16384  # activation-quantization chunk along K: a row up to this long is read once
@@ -53,7 +53,7 @@ def _quantize_row(x_row, q_row, s_ptr, K, BLOCK_K: tl.constexpr, FRAGMENT: tl.co
         amax = tl.maximum(amax, tl.abs(tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)))
     beta = tl.math.div_rn(tl.max(amax, 0), 448.0)  # e4m3 max
     beta = tl.where(beta == 0.0, 1.0, beta)  # symmetric_scale: an all-zero token gets 1
-    beta = _to_bf16(beta, EMULATE).to(tl.float32)
+    beta = _round_to(beta, ROUND_TO_BF16, EMULATE)
     beta = tl.where(beta == 0.0, 1.0, beta)  # bf16 underflow (absmax < ~1e-36)
     _store_x_hat(q_row, offs, _to_fp8e4m3(tl.math.div_rn(x, beta), EMULATE), offs < K, FRAGMENT)
     for k0 in range(BLOCK_K, K, BLOCK_K):

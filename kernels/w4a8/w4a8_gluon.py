@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from ..compiled_launch import cdiv, next_pow2, relaunch, stream_key
 from ..gluon_compat import async_load, cta_barrier
-from ..rounding_triton import _to_bf16
+from ..rounding_triton import ROUND_TO_BF16, _round_to
 from .w4a8_act_quant_triton import DECODE_QBLOCK, quantize_activation_fp8
 from .w4a8_gluon_operand import (
     GROUP,
@@ -77,7 +77,7 @@ def _quantize_token(X_ptr, XQ_ptr, AS_ptr, C_ptr, m, K, stride_xm, QBLOCK: gl.co
     x = gl.load(X_ptr + m.to(gl.int64) * stride_xm + offs, mask=offs < K, other=0.0).to(gl.float32)
     beta = gl.div_rn(gl.max(gl.abs(x), 0), 448.0)  # e4m3 max
     beta = gl.where(beta == 0.0, 1.0, beta)  # an all-zero token gets 1
-    beta = _to_bf16(beta, False).to(gl.float32)  # cvt.rn.bf16.f32: Gluon kernels run on the GPU only
+    beta = _round_to(beta, ROUND_TO_BF16, False)  # cvt.rn.bf16.f32: Gluon kernels run on the GPU only
     beta = gl.where(beta == 0.0, 1.0, beta)  # bf16 underflow
     x_hat = gl.div_rn(x, beta).to(gl.float8e4nv)  # cvt.rn.satfinite
     gl.store(XQ_ptr + m * K + _fragment_slot(offs), x_hat, mask=offs < K)

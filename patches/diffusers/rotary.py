@@ -117,10 +117,9 @@ def fused_rotation(processor: Any, module: Any) -> tuple[tuple, Any]:
     (:func:`channel_rotary`); ``((), None)`` where the processor's source never calls that name or neither is found."""
     try:
         from diffusers.models import embeddings
-        source = inspect.getsource(type(processor).__call__)
-    except (ImportError, OSError, TypeError):
+    except ImportError:
         return (), None
-    if f"{_APPLY}(" not in source:
+    if not source_holds(type(processor).__call__, (f"{_APPLY}(",)):
         return (), None
     original, own = getattr(embeddings, _APPLY, None), getattr(module, _APPLY, None)
     if own is not None and own is not original and source_holds(own, _CHANNEL_ROTATION):

@@ -114,12 +114,29 @@ def _activation_quantizer() -> Callable[[torch.Tensor], tuple[torch.Tensor, torc
     return _QUANTIZER[0]
 
 
-def fp8_linear_scaled_mm(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
-                         bias: torch.Tensor | None) -> torch.Tensor:
-    """The GPU path on ``x (M, K)`` (last dim contiguous) → ``y (M, N)`` in ``x``'s dtype."""
-    x_fp8, x_scale = _activation_quantizer()(x)
-    return torch._scaled_mm(x_fp8, weight_fp8.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), bias=bias,
-                            out_dtype=x.dtype, use_fast_accum=False)
+def scaled_mm_rowwise(x: torch.Tensor, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                      weight_fp8: torch.Tensor, weight_scale_row: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """``y = (x̂ · W_fp8ᵀ) ⊙ s_x ⊙ s_w + b`` with row-wise scales in one ``torch._scaled_mm``, FP8 MMA partials
+    promoted to float32 (``use_fast_accum=False``): the FP8 GEMM of the GPU paths of this module and of ``"lut"``
+    :class:`~quantpatch.w4a8_linear.W4A8Linear` layers.
+
+    Args:
+        x: ``(..., K)``, taken as ``(M, K)`` rows (copied only where its last dim is strided).
+        quantize: ``(M, K)`` rows → ``x̂ float8_e4m3fn (M, K)`` and ``s_x float32 (M, 1)`` with ``x ≈ s_x x̂``.
+        weight_fp8: ``float8_e4m3fn (N, K)``.
+        weight_scale_row: ``float32 (1, N)``, the per-output-channel scales ``s_w``.
+        bias: ``(N,)`` in ``x``'s dtype, or None.
+
+    Returns:
+        ``y (..., N)`` in ``x``'s dtype.
+    """
+    n, k = weight_fp8.shape
+    x2 = x.reshape(-1, k)
+    x_fp8, x_scale = quantize(x2 if x2.stride(-1) == 1 else x2.contiguous())
+    y = torch._scaled_mm(x_fp8, weight_fp8.t(), scale_a=x_scale, scale_b=weight_scale_row, bias=bias,
+                         out_dtype=x.dtype, use_fast_accum=False)
+    return y.view(*x.shape[:-1], n)
 
 
 def _gpu_unsupported(call: LinearCall) -> str | None:
@@ -135,11 +152,10 @@ def _gpu_unsupported(call: LinearCall) -> str | None:
 
 
 def _gpu_run(call: LinearCall) -> torch.Tensor:
-    x, layer = call.x, call.layer
-    buffers = layer._buffers
-    x2 = x.reshape(-1, layer.in_features)
-    return fp8_linear_scaled_mm(x2 if x2.stride(-1) == 1 else x2.contiguous(), buffers["weight_fp8"],
-                                buffers["weight_scale"], buffers["bias"]).view(*x.shape[:-1], layer.out_features)
+    """The ``"scaled_mm"`` path: the Triton activation quantizer, then :func:`scaled_mm_rowwise`."""
+    buffers = call.layer._buffers
+    return scaled_mm_rowwise(call.x, _activation_quantizer(), buffers["weight_fp8"],
+                             buffers["weight_scale"].view(1, -1), buffers["bias"])
 
 
 def _reference(call: LinearCall) -> torch.Tensor:

@@ -94,19 +94,40 @@ def _lut_unsupported(call: LinearCall) -> str | None:
 
 def _lut_run(call: LinearCall) -> torch.Tensor:
     """``y = β · 2⁻ⁿ · x̂ · e4m3(ŵ σ)ᵀ + b``: FireQ's activation quantization, the look-up-table operand as an FP8
-    matrix (``w4a8_lut_triton``), then ``torch._scaled_mm`` with per-token ``β`` and per-channel ``2⁻ⁿ``."""
-    from quantpatch.kernels.w4a8.w4a8_act_quant_triton import quantize_activation_fp8
+    matrix (``w4a8_lut_triton``), then :func:`~quantpatch.fp8_linear.scaled_mm_rowwise` with per-token ``β`` and
+    per-channel ``2⁻ⁿ`` (:func:`_pts_scale_row`). Eager only: :func:`_lut_unsupported` declines ``torch.compile``
+    traces."""
+    from quantpatch.fp8_linear import scaled_mm_rowwise
     from quantpatch.kernels.w4a8.w4a8_lut_triton import lut_weight_fp8
 
-    x, layer = call.x, call.layer
+    layer = call.layer
     buffers = layer._buffers
-    x2 = x.reshape(-1, layer.in_features)
-    x_hat, beta = quantize_activation_fp8(x2 if x2.stride(-1) == 1 else x2.contiguous())
     weight = lut_weight_fp8(buffers["qweight"], buffers["scales"])
-    channel_scale = torch.exp2(-buffers["pts_exp"].float()).expand(1, layer.out_features).contiguous()
-    y = torch._scaled_mm(x_hat, weight.t(), scale_a=beta.float().view(-1, 1), scale_b=channel_scale,
-                         bias=buffers["bias"], out_dtype=x.dtype, use_fast_accum=False)
-    return y.view(*x.shape[:-1], layer.out_features)
+    return scaled_mm_rowwise(call.x, _quantize_tokens, weight, _pts_scale_row(layer), buffers["bias"])
+
+
+def _quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FireQ's per-token activation quantization of ``x (M, K)`` (the Triton kernel): ``x̂ float8_e4m3fn (M, K)`` and
+    ``β`` as ``float32 (M, 1)``, the scales ``torch._scaled_mm`` takes."""
+    from quantpatch.kernels.w4a8.w4a8_act_quant_triton import quantize_activation_fp8
+
+    x_hat, beta = quantize_activation_fp8(x)
+    return x_hat, beta.float().view(-1, 1)
+
+
+def _pts_scale_row(layer: W4A8Linear) -> torch.Tensor:
+    """The layer's per-channel scales ``2⁻ⁿ`` as ``float32 (1, O)``, made once per ``pts_exp`` buffer and version.
+
+    Kept in a plain attribute (not a buffer: ``state_dict`` does not carry it) with the buffer it was made from, its
+    address and its version: a buffer replaced (``.to()``, ``load_state_dict(assign=True)``) or written in place
+    (``load_packed``, ``load_state_dict``) makes it anew; holding the buffer keeps a new one from taking its address.
+    """
+    pts_exp = layer._buffers["pts_exp"]
+    cached = layer._pts_scale_cache
+    if cached is None or cached[0] is not pts_exp or cached[1] != (pts_exp.data_ptr(), pts_exp._version):
+        row = torch.exp2(-pts_exp.float()).expand(1, layer.out_features).contiguous()
+        cached = layer._pts_scale_cache = (pts_exp, (pts_exp.data_ptr(), pts_exp._version), row)
+    return cached[2]
 
 
 def _reference(call: LinearCall) -> torch.Tensor:
@@ -172,6 +193,7 @@ class W4A8Linear(nn.Module):
         # the memory accounting and not saved): set True for repeated CPU evaluation.
         self.cache_unpacked = False
         self._unpacked = None
+        self._pts_scale_cache = None  # the "lut" path's 2⁻ⁿ row and what it was made from (_pts_scale_row)
         groups = -(-in_features // group_size)
         kp = groups * group_size
         self.register_buffer("qweight", torch.zeros(out_features, kp // 2, dtype=torch.uint8, device=device))

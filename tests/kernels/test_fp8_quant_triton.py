@@ -8,7 +8,9 @@ the kernel's quotient is the IEEE one and its cast rounds to nearest even with s
 import pytest
 import torch
 
-from quantpatch.fp8_linear import FP8Linear, fp8_linear_scaled_mm
+from quantpatch import fp8_linear
+from quantpatch.dispatch import LinearCall
+from quantpatch.fp8_linear import FP8Linear
 from quantpatch.kernels.fp8_linear.fp8_linear_ref import fp8_linear_ref, quantize_rows_fp8_ref
 from quantpatch.kernels.fp8_linear.fp8_quant_triton import ROW_BLOCK, fp8_quantize_rows_op, quantize_rows_fp8
 from quantpatch.metrics import rel_l1
@@ -82,16 +84,25 @@ def test_custom_op_matches_the_launcher_and_has_a_fake():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_path_wiring_runs_on_cpu_scaled_mm(dtype):
-    """FP8Linear's GPU path (this kernel, then row-wise ``torch._scaled_mm`` with a bias) on the CPU, whose torch
-    has ``_scaled_mm`` too: operand layouts, scale shapes and the epilogue agree with the reference."""
+    """FP8Linear's GPU path (this kernel, then row-wise ``torch._scaled_mm`` with a bias, ``scaled_mm_rowwise``) on
+    the CPU, whose torch has ``_scaled_mm`` too: the one ``_scaled_mm`` of these operands, bit for bit; operand
+    layouts, scale shapes and the epilogue agree with the reference; ``(..., K)`` inputs and rows with a strided
+    last dim give the same rows as ``(M, K)`` ones."""
     lin = torch.nn.Linear(64, 48).to(dtype)
     fp8 = FP8Linear.from_linear(lin)
-    x = _rows(7, 64, dtype, seed=11)
-    y = fp8_linear_scaled_mm(x, fp8.weight_fp8, fp8.weight_scale, fp8.bias)
+    x = _rows(14, 64, dtype, seed=11)
+    y = fp8_linear._gpu_run(LinearCall(x, fp8))
+    x_fp8, x_scale = quantize_rows_fp8(x)
+    assert torch.equal(y, torch._scaled_mm(x_fp8, fp8.weight_fp8.t(), scale_a=x_scale,
+                                           scale_b=fp8.weight_scale.view(1, -1), bias=fp8.bias, out_dtype=dtype))
     ref = fp8_linear_ref(x, fp8.weight_fp8, fp8.weight_scale, fp8.bias)
-    assert y.dtype == dtype and y.shape == (7, 48)
+    assert y.dtype == dtype and y.shape == (14, 48)
     # measured: bf16 / fp16 identical, fp32 rel-L1 1.3e-7 (the same exact products summed in another order)
     assert rel_l1(y.float(), ref.float()) <= 1e-6
+    batched = fp8_linear._gpu_run(LinearCall(x.view(2, 7, 64), fp8))
+    assert batched.shape == (2, 7, 48) and torch.equal(batched.view(14, 48), y)
+    strided = x.t().contiguous().t()  # the same rows, channel stride 14
+    assert strided.stride(-1) != 1 and torch.equal(fp8_linear._gpu_run(LinearCall(strided, fp8)), y)
 
 
 @gpu

@@ -90,6 +90,42 @@ def test_the_scaled_mm_path_computes_the_lut_product(bias, monkeypatch):
     assert rel_l1(y.float(), ref.float()) <= 2e-3  # bf16 output: a few elements one bf16 ulp apart
 
 
+def test_the_path_is_one_scaled_mm_of_its_operands():
+    """``_lut_run`` on ``(B, S, K)`` is the row-wise ``torch._scaled_mm`` of the activation quantizer's ``x̂, β``, the
+    FP8 matrix and ``2⁻ⁿ`` per channel, bit for bit (the CPU's ``_scaled_mm``)."""
+    from quantpatch.kernels.w4a8.w4a8_act_quant_triton import quantize_activation_fp8
+
+    layer = _lut_layer(48, 256, True)
+    x = torch.randn(2, 7, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    x_hat, beta = quantize_activation_fp8(x.reshape(14, 256))
+    weight = lut_weight_fp8(layer.qweight, layer.scales)
+    scale_row = torch.full((1, 48), 2.0 ** -int(layer.pts_exp))
+    expected = torch._scaled_mm(x_hat, weight.t(), scale_a=beta.float().view(-1, 1), scale_b=scale_row,
+                                bias=layer.bias, out_dtype=torch.bfloat16)
+    assert torch.equal(w4a8_linear._lut_run(dispatch.LinearCall(x, layer)), expected.view(2, 7, 48))
+
+
+def test_the_scale_row_is_made_once_per_pts_exp_buffer_and_version():
+    """``2⁻ⁿ (1, O)`` is kept between calls, made anew when ``pts_exp`` is written in place or replaced, and is no
+    buffer: ``state_dict`` does not carry it."""
+    layer = _lut_layer(48, 256, False)
+    n = int(layer.pts_exp)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    call = dispatch.LinearCall(x, layer)
+    y = w4a8_linear._lut_run(call)
+    row = w4a8_linear._pts_scale_row(layer)
+    assert row.shape == (1, 48) and row.dtype == torch.float32 and torch.equal(row, torch.full((1, 48), 2.0 ** -n))
+    assert w4a8_linear._pts_scale_row(layer) is row  # kept
+    layer.pts_exp.fill_(n + 1)  # in place: a new version
+    assert torch.equal(w4a8_linear._pts_scale_row(layer), torch.full((1, 48), 2.0 ** -(n + 1)))
+    assert torch.equal(w4a8_linear._lut_run(call), y / 2)  # a power of two: exact in bf16
+    layer.load_state_dict({**layer.state_dict(), "pts_exp": torch.tensor(n - 1, dtype=torch.int32)}, assign=True)
+    assert torch.equal(w4a8_linear._lut_run(call), y * 2)  # a new buffer
+    layer.pts_exp.data = torch.tensor(n, dtype=torch.int32)  # new storage, same version
+    assert torch.equal(w4a8_linear._lut_run(call), y)
+    assert set(layer.state_dict()) == {"qweight", "scales", "pts_exp"}
+
+
 def test_the_path_takes_lut_layers_only_and_says_why_not(monkeypatch):
     x = torch.randn(3, 256).to(torch.bfloat16)
     group = W4A8Linear.from_linear(torch.nn.Linear(256, 48, bias=False))

@@ -8,6 +8,8 @@ kernel's bit-exactness against them is ``tests/kernels``' (and LTX-Video's here)
 patch's replacements on CUDA.
 """
 
+import types
+
 import pytest
 import torch
 
@@ -113,6 +115,34 @@ def test_diffusers_rotation_is_replaced_only_while_a_processor_runs(family, call
     assert len(seen) == calls and all(seen)  # query and key of each rotating processor, through the replacement
     assert torch.equal(out, base)  # on the CPU the replacement hands every call to the model's own function
     assert holder.apply_rotary_emb is original and torch.equal(call(), base)
+
+
+class _SpacedRotation:
+    """A processor that calls Diffusers' rotation with whitespace before its arguments."""
+
+    def __call__(self, attn, hidden_states, image_rotary_emb=None):
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        return apply_rotary_emb (hidden_states, image_rotary_emb)  # noqa: E211
+
+
+class _NoSource:
+    __call__ = staticmethod(len)  # a builtin: no Python source to read
+
+
+def test_fused_rotation_reads_the_processors_source_whitespace_aside():
+    """The name swap is offered to processors whose call's source calls ``apply_rotary_emb`` (whitespace aside),
+    and to no other: one that never calls it, one without a Python source."""
+    from diffusers.models import embeddings
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    from quantpatch.patches.diffusers.rotary import fused_rotation
+
+    own = types.ModuleType("processor_module")  # the processor's module, without a rotation of its own
+    modules, replacement = fused_rotation(_SpacedRotation(), own)
+    assert modules == (embeddings,) and replacement.__name__ == "apply_rotary_emb"
+    assert fused_rotation(AttnProcessor2_0(), own) == ((), None)
+    assert fused_rotation(_NoSource(), own) == ((), None)
 
 
 def test_ltx_rotation_in_one_launch_equals_ltx_own_bit_for_bit(monkeypatch):
