@@ -6,6 +6,10 @@ Rows (µs per call, median of repeats of ``--calls`` back-to-back calls, then on
 * ``patched-speed``: the same call through quantpatch's registered attention under ``policy="speed"``
   (a short call: routed to the model's own attention);
 * ``patched-always``: the mode's quantized path (quantization launches and the kernel), ``policy="always"``;
+* ``sdpa-long`` / ``patched-kernel`` (GPU only): one call of ``F.scaled_dot_product_attention`` and of
+  ``quantpatch.attention(..., policy="always", strict=True)`` at a shape whose GPU work outlasts the host's
+  (``--long-heads`` heads of ``--long-seq`` tokens, D = 128, Flux.1-dev's by default: the kernel route,
+  quantization launches then the attention kernel), timed alone: the device idle before it, no synchronize inside;
 * ``linear`` / ``w4a8`` / ``fp8``: ``F.linear`` on bf16 weights against ``W4A8Linear`` and ``FP8Linear`` (the FP8 path:
   the activation quantization launch, then ``torch._scaled_mm``), M = 1; ``scaled-mm`` (GPU only): that
   ``torch._scaled_mm`` call alone on pre-quantized operands, the part of ``fp8`` that is PyTorch's.
@@ -49,6 +53,31 @@ def host_us(fn: Callable[[], object], device: torch.device, calls: int, repeats:
             torch.cuda.synchronize(device)
         times.append((time.perf_counter() - start) / calls * 1e6)
     return statistics.median(times)
+
+
+def host_once_us(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median over ``repeats`` of the wall time of one call, the device synchronized before (not inside) it: the
+    host time of a call whose GPU work outlasts it, in µs."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize(device)
+    return statistics.median(times)
+
+
+def kernel_route_rows(args, device: torch.device) -> list[dict]:
+    """SDPA and the patched call's kernel route at a long shape, each call timed alone (:func:`host_once_us`)."""
+    q, k, v = (torch.randn(1, args.long_heads, args.long_seq, 128, device=device, dtype=torch.bfloat16)
+               for _ in range(3))
+    calls = {"sdpa-long": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+             "patched-kernel": lambda: quantpatch.attention(q, k, v, mode=args.mode, policy="always", strict=True)}
+    return [dict(row=name, us=host_once_us(fn, device, args.single_calls), baseline="sdpa-long")
+            for name, fn in calls.items()]
 
 
 def attention_rows(args, device: torch.device) -> list[dict]:
@@ -107,6 +136,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=16, help="tokens per call (short: launch-bound)")
     p.add_argument("--calls", type=int, default=500)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--long-seq", type=int, default=4608, help="tokens of the kernel-route rows (GPU)")
+    p.add_argument("--long-heads", type=int, default=24)
+    p.add_argument("--single-calls", type=int, default=200, help="calls timed alone for the kernel-route rows")
     return p.parse_args(argv)
 
 
@@ -115,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     device = torch.device(args.device)
     rows = attention_rows(args, device)
     if device.type == "cuda":
+        rows += kernel_route_rows(args, device)
         rows += linear_rows(args, device)
     rows = with_overheads(rows)
     args.out.mkdir(parents=True, exist_ok=True)

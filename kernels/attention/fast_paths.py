@@ -26,6 +26,7 @@ warp-specialised ping-pong kernel (:mod:`~quantpatch.kernels.attention.pingpong_
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -130,10 +131,16 @@ def _device_unsupported(q: torch.Tensor, fp8: bool) -> str | None:
     return _DEVICE_REASONS[key]
 
 
+@functools.cache
+def _config_checks(cfg: AttentionConfig) -> tuple[bool, str | None]:
+    """Whether ``cfg`` has FP8 operands, and :func:`config_unsupported`: once per config, not on every call."""
+    return cfg.qk_format in FP8_OPERANDS or cfg.pv_format in FP8_OPERANDS, config_unsupported(cfg)
+
+
 def call_unsupported(call) -> str | None:
     """Why the Triton path cannot take ``call`` (a :class:`quantpatch.dispatch.AttentionCall`; None if it can)."""
-    q, k, v, cfg = call.q, call.k, call.v, call.config
-    fp8 = cfg.qk_format in FP8_OPERANDS or cfg.pv_format in FP8_OPERANDS
+    q, k, v = call.q, call.k, call.v
+    fp8, config_reason = _config_checks(call.config)
     reason = _device_unsupported(q, fp8)
     if reason:
         return reason
@@ -145,7 +152,7 @@ def call_unsupported(call) -> str | None:
         return "attn_mask is not supported by the kernels (is_causal is)"
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         return "head_dim is not the contiguous dimension"
-    return config_unsupported(cfg)
+    return config_reason
 
 
 def _gluon_numerics(cfg: AttentionConfig) -> bool:
@@ -289,15 +296,26 @@ def _(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale,
 # --------------------------------------------------------------------------- the implementation
 
 
+# (config, head_dim, causal, kernel) → (quantize_qkv's keywords, kernel_blocks): made once (a frozen config hashes in
+# a fraction of a µs, less than building these)
+_PREFILL_STATIC: dict[tuple, tuple[dict, dict]] = {}
+
+
 def prefill_options(cfg: AttentionConfig, device: torch.device, head_dim: int, nq: int, nk: int, *, is_causal: bool,
                     sm_scale: float, return_lse: bool, out_dtype: torch.dtype,
                     blocks: dict | None = None) -> tuple[dict, tuple]:
-    """The arguments of a call's two custom ops: :func:`quantize_qkv_op`'s keywords, and
-    :func:`attn_qk_int8_pv_fp8_op`'s options after the quantized tensors (the kernel :func:`attention_kernel` picks,
-    else the Triton kernel with :func:`kernel_blocks`, or ``blocks`` where given)."""
+    """The arguments of a call's two custom ops: :func:`quantize_qkv_op`'s keywords (a shared dict: not to be
+    changed), and :func:`attn_qk_int8_pv_fp8_op`'s options after the quantized tensors (the kernel
+    :func:`attention_kernel` picks, else the Triton kernel with :func:`kernel_blocks`, or ``blocks`` where given)."""
     kernel = "triton" if blocks is not None else attention_kernel(cfg, device, head_dim, nq, nk, is_causal)
-    kb = kernel_blocks(cfg, head_dim) if blocks is None else blocks
-    quant_kw = quant_options(cfg) | dict(v_key_order=kernel != "triton", is_causal=is_causal)
+    key = (cfg, head_dim, is_causal, kernel)
+    static = _PREFILL_STATIC.get(key)
+    if static is None:
+        static = _PREFILL_STATIC[key] = (quant_options(cfg) | dict(v_key_order=kernel != "triton", is_causal=is_causal),
+                                         kernel_blocks(cfg, head_dim))
+    quant_kw, kb = static
+    if blocks is not None:
+        kb = blocks
     options = (nk, is_causal, sm_scale, return_lse, out_dtype, cfg.block_q, cfg.l_from_quantized_p,
                cfg.two_level_accum, kb["block_m"], kb["block_n"], kb["num_warps"], kb["num_stages"],
                cfg.exp == "sas", cfg.pv_qmax, kernel, cfg.qk_granularity)
@@ -350,8 +368,10 @@ def head_chunks(cfg: AttentionConfig, b: int, h: int, hkv: int, nq: int, nk: int
     (or, where one head holds more, one head a slice under :data:`DELTA_S_LIMIT`); one slice for calls without smooth
     Q. Attention is independent per batch entry and per query head; a slice spans whole GQA groups, or part of one
     group."""
+    if not cfg.smooth_q:
+        return [(0, b, 0, h)]
     per_head = math.ceil(nq / cfg.block_q) * math.ceil(nk / KEY_BLOCK) * KEY_BLOCK
-    if not cfg.smooth_q or b * h * per_head <= DELTA_S_BUDGET:
+    if b * h * per_head <= DELTA_S_BUDGET:
         return [(0, b, 0, h)]
     if per_head >= DELTA_S_LIMIT:
         raise ValueError(f"smooth Q's ΔS of one head ({per_head} entries for Nq={nq}, Nk={nk}) exceeds 32-bit TMA "
@@ -370,12 +390,12 @@ def run(call):
     where it asks for the LSE; smooth-Q calls whose ΔS would pass its memory budget (or 32-bit TMA coordinates) in
     :func:`head_chunks` slices."""
     q, k, v = call.q, call.k, call.v
-    rep = q.shape[1] // k.shape[1]
     chunks = head_chunks(call.config, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
     if len(chunks) == 1:
         o, lse = quantized_attention(q, k, v, call.config, is_causal=call.is_causal, scale=call.scale,
                                      return_lse=call.return_lse)
         return (o, lse) if call.return_lse else o
+    rep = q.shape[1] // k.shape[1]
     o = q.new_empty(q.shape)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32) if call.return_lse else None
     for b0, b1, h0, h1 in chunks:

@@ -36,6 +36,7 @@ arithmetic are ``pingpong_gluon``'s.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -45,7 +46,7 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..compiled_launch import LaunchPlans, cdiv
+from ..compiled_launch import LaunchPlans, cdiv, specialization
 from ..gluon_compat import cta_barrier, tma_load
 from .pingpong_gluon import (
     _block_pv,
@@ -286,6 +287,15 @@ def _attn_sm90_kernel(
 _LAUNCH = LaunchPlans(_attn_sm90_kernel)
 
 
+@functools.cache
+def shared_layouts(head_dim: int, block_n: int) -> tuple:
+    """The shared-memory layouts of the K, Vᵀ and K-scale TMA blocks (``(block_n, D)`` int8, ``(D, block_n)``
+    8-bit, ``(block_n,)`` float32), made once per ``(head_dim, block_n)``: a layout object costs µs to build."""
+    return (gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim), element_bitwidth=8, rank=2),
+            gl.NVMMASharedLayout(swizzle_byte_width=min(128, block_n), element_bitwidth=8, rank=2),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
+
+
 def compile_options(head_dim: int) -> dict:
     """The kernel's launch options: 4 warps, and the register cap of :data:`MAXNREG`."""
     return dict(num_warps=4, maxnreg=MAXNREG[head_dim])
@@ -328,22 +338,31 @@ def attn_qk_int8_pv_fp8_sm90(
     if d not in HEAD_DIMS or nk_pad % block_n or h % hkv:
         raise ValueError(f"head_dim {d} (takes {HEAD_DIMS}), Nk_pad={nk_pad} (a multiple of block_n={block_n}), "
                          f"H={h} (a multiple of Hkv={hkv})")
+    if (x.k_hat.shape != (b, hkv, nk_pad, d) or x.v_hat_t.shape != (b, hkv, d, nk_pad)
+            or x.k_scale.shape != (b, hkv, nk_pad)
+            or not (x.k_hat.is_contiguous() and x.v_hat_t.is_contiguous() and x.k_scale.is_contiguous())):
+        raise ValueError(f"K̂ {tuple(x.k_hat.shape)}, V̂ᵀ {tuple(x.v_hat_t.shape)}, K scales {tuple(x.k_scale.shape)} "
+                         f"for Q̂ {tuple(x.q_hat.shape)}: TMA reads contiguous (B, Hkv, Nk_pad, D), (B, Hkv, D, Nk_pad) "
+                         "and (B, Hkv, Nk_pad)")
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     o = torch.empty((b, h, nq, d), device=x.q_hat.device, dtype=out_dtype)
     lse = torch.empty((b, h, nq) if return_lse else (0,), device=o.device, dtype=torch.float32)
-    k_layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, d), element_bitwidth=8, rank=2)
-    v_layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, block_n), element_bitwidth=8, rank=2)
-    vec_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    k_desc = TensorDescriptor.from_tensor(x.k_hat.view(b * hkv * nk_pad, d), [block_n, d], k_layout)
-    vt_desc = TensorDescriptor.from_tensor(x.v_hat_t.view(b * hkv * d, nk_pad), [d, block_n], v_layout)
-    ks_desc = TensorDescriptor.from_tensor(x.k_scale.view(-1), [block_n], vec_layout)
+    k_layout, v_layout, vec_layout = shared_layouts(d, block_n)
+    # the descriptors name the (contiguous) operands as 2-D / 1-D by shape and strides (no view made per call)
+    k_desc = TensorDescriptor(x.k_hat, [b * hkv * nk_pad, d], [d, 1], [block_n, d], k_layout)
+    vt_desc = TensorDescriptor(x.v_hat_t, [b * hkv * d, nk_pad], [nk_pad, 1], [d, block_n], v_layout)
+    ks_desc = TensorDescriptor(x.k_scale, [b * hkv * nk_pad], [1], [block_n], vec_layout)
+    ints = (o.stride(0), o.stride(1), o.stride(2), nq, nk, nk_pad, h, h // hkv)
+    tensors = (x.q_hat, x.q_scale, x.k_scale, x.v_scale, x.v_mean)
+    # Triton specializes a descriptor on its dtype, block shape and layout (the constexprs and these dtypes): the
+    # key is the specialization of the other arguments (o and lse are allocated here; qk_scale is a float)
     _LAUNCH(
         (cdiv(nq, BLOCK_M), b * h),
-        (x.q_hat, k_desc, vt_desc, ks_desc, x.q_scale, x.k_scale, x.v_scale, x.v_mean, o, lse,
-         o.stride(0), o.stride(1), o.stride(2),
-         nq, nk, nk_pad, h, h // hkv, scale * LOG2E),
+        (x.q_hat, k_desc, vt_desc, ks_desc, x.q_scale, x.k_scale, x.v_scale, x.v_mean, o, lse, *ints,
+         scale * LOG2E),
         dict(HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=is_causal, SMOOTH_V=x.v_mean.numel() > 0,
              RETURN_LSE=return_lse, TOKEN_SCALES=qk_granularity == "token", PV_INT8=pv_int8),
+        plan_key=(out_dtype, x.k_hat.dtype, x.v_hat_t.dtype, specialization(tensors + ints)),
         **compile_options(d),
     )
     return o, lse

@@ -16,7 +16,9 @@ Launches (three):
    (``_quant_q_block``: block mean q̄, groups, quantization, in 32-row tiles); statistics programs
    (``_kv_stats_chunk``: column-sum / max / min partials of K and V over 512 tokens, the V absmax).
    The program that finishes a kv head's last chunk (an atomic ticket) reduces that head's partials
-   in a fixed order (``_kv_finalize_head``: K̄, V̄, V channel scales), so no launch waits for it.
+   in a fixed order (``_kv_finalize_head``: K̄, V̄, V channel scales), so no launch waits for it, and sets
+   the ticket back to 0: partials and tickets are the stream's scratch, kept across calls (no allocation,
+   no zero-fill launch a call; fresh while a CUDA graph captures).
 2. ``_delta_s_kernel``: ΔS_raw = q̄ · Kᵀ on the *raw* K (K̄ spans all tokens).
 3. ``_quant_kv_kernel``: the second pass over K and V: smooth and quantize K, quantize V and
    write it transposed.
@@ -42,13 +44,14 @@ up to the attention kernel's key block so its loads need no masks.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ..compiled_launch import LaunchPlans, cdiv, interpreting
+from ..compiled_launch import LaunchPlans, cdiv, interpreting, stream_key
 from ..quant_ref import FP8_MAX, cast_fp8, quantize_symmetric, quantize_tokens, symmetric_scale, token_absmax
 from ..rounding_triton import _div_by, _rne, _to_fp8e4m3
 
@@ -399,8 +402,8 @@ def _q_and_kv_stats_kernel(
 ):
     """First launch. Programs ``[0, Q_PROGRAMS)``: one query block each (``_quant_q_block``). The rest: one
     statistics chunk each (``_kv_stats_chunk``); the program that finishes a kv head's last chunk (a ticket:
-    an acq_rel atomic counter per head, after a CTA barrier that orders every thread's partial stores before
-    it) reduces that head's partials (``_kv_finalize_head``)."""
+    an acq_rel atomic counter per head, 0 at the launch, after a CTA barrier that orders every thread's partial
+    stores before it) reduces that head's partials (``_kv_finalize_head``) and sets the ticket back to 0."""
     pid = tl.program_id(0)
     if pid < Q_PROGRAMS:
         _quant_q_block(Q_ptr, QQ_ptr, QS_ptr, QM_ptr, pid % NQB, (pid // NQB).to(tl.int64),
@@ -417,6 +420,8 @@ def _q_and_kv_stats_kernel(
             if tl.atomic_add(TICKET_ptr + pid_bh, 1, sem="acq_rel") == NCHUNK - 1:
                 _kv_finalize_head(KSUM_ptr, VSUM_ptr, VMAX_ptr, VMIN_ptr, KM_ptr, VM_ptr, VS_ptr, pid_bh,
                                   NCHUNK, NK_F, HEAD_DIM, RTILE, V_QMAX, SMOOTH_K, SMOOTH_V, V_CHANNEL)
+                # every program of the head has taken its ticket: back to 0 for the next launch on this stream
+                tl.store(TICKET_ptr + pid_bh, 0)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -483,6 +488,104 @@ def _check_inputs(q, k, v):
         raise ValueError(f"query heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
 
 
+class _Recipe(NamedTuple):
+    """What :func:`quantize_qkv` derives from its options, head_dim and dtype alone (:func:`_recipe`)."""
+
+    qk_dtype: torch.dtype
+    v_dtype: torch.dtype
+    v_mode: int
+    need_stats: bool  # launch 1 has statistics programs
+    need_vabs: bool  # V's absmax (a per-tensor V scale), an atomic max into a zeroed float
+    stats_constexprs: dict
+    delta_s_constexprs: dict  # QB_TILE (by the number of query blocks, DS_TUNING) → the ΔS launch's constexprs
+    kv_constexprs: dict
+
+
+@functools.cache
+def _recipe(d: int, dtype: torch.dtype, qk_format: str, qk_granularity: str, qk_qmax: int, smooth_q: bool,
+            smooth_k: bool, smooth_v: bool, pv_format: str, pv_qmax: int, v_granularity: str, block_q: int,
+            block_k: int, warps: int, pad_to: int, v_key_order: bool, is_causal: bool) -> _Recipe:
+    """The options checked and turned into the launches' constexprs, once per combination (a bad one raises on
+    every call: exceptions are not cached)."""
+    if qk_granularity not in GRAN_IDS:
+        raise ValueError(f"qk_granularity {qk_granularity!r} not supported by the kernels; valid: {list(GRAN_IDS)}")
+    for name, blk in (("block_q", block_q), ("block_k", block_k)):
+        if blk & (blk - 1) or blk < 16:
+            raise ValueError(f"{name}={blk} must be a power of two >= 16")
+    if pad_to % block_k:
+        raise ValueError(f"pad_to={pad_to} must be a multiple of block_k={block_k}")
+    if v_key_order and (block_k < 32 or v_granularity == "block"):
+        raise ValueError("v_key_order reorders keys within 32: it needs block_k >= 32 and V scales that are not "
+                         f"per block (got block_k={block_k}, v_granularity={v_granularity!r})")
+    qk_fmt = _fmt_id(qk_format)
+    v_fmt = _fmt_id(pv_format)
+    q_max = FP8_MAX["fp8_e4m3"] if qk_fmt == FMT_FP8 else float(qk_qmax)
+    v_max = FP8_MAX["fp8_e4m3"] if v_fmt == FMT_FP8 else float(pv_qmax)
+    v_mode = V_GRAN_IDS[v_granularity]
+    need_vminmax = v_mode == V_CHANNEL
+    need_vabs = v_mode == V_TENSOR
+    if smooth_v and need_vabs:
+        raise ValueError("smooth_v with a per-tensor V scale is not supported by the kernels")
+    emulate = interpreting()
+    gran = GRAN_IDS[qk_granularity]
+    return _Recipe(
+        qk_dtype=torch.int8 if qk_fmt == FMT_INT else torch.float8_e4m3fn,
+        v_dtype=torch.int8 if v_fmt == FMT_INT else torch.float8_e4m3fn,
+        v_mode=v_mode,
+        need_stats=smooth_k or smooth_v or need_vminmax or need_vabs,
+        need_vabs=need_vabs,
+        stats_constexprs=dict(
+            HEAD_DIM=d, BLOCK_Q=block_q, Q_SUB=min(block_q, max(block_q // warps, Q_SUB_ROWS)), GRAN=gran,
+            WARPS=warps, QMAX=q_max, QK_FMT=qk_fmt, SMOOTH_Q=smooth_q, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v,
+            V_CHANNEL=need_vminmax, V_ABS=need_vabs, V_QMAX=v_max, FINALIZE=smooth_k or smooth_v or need_vminmax,
+            TILE=STATS_TILE, TILES=STATS_TILES, RTILE=32, EMULATE=emulate),
+        delta_s_constexprs={
+            qb_tile: dict(HEAD_DIM=d, BLOCK_N=_delta_s_tile(pad_to), QB_TILE=qb_tile, Q_BLOCK=block_q,
+                          K_BF16=dtype == torch.bfloat16, CAUSAL=is_causal, EMULATE=emulate)
+            for qb_tile in (DS_TUNING["qb_tile_short"], DS_TUNING["qb_tile"])},
+        kv_constexprs=dict(HEAD_DIM=d, BLOCK=block_k, GRAN=gran, QMAX=q_max, K_FMT=qk_fmt, SMOOTH_K=smooth_k,
+                           V_MODE=v_mode, V_FMT=v_fmt, V_QMAX=v_max, SMOOTH_V=smooth_v, V_KEY_ORDER=v_key_order,
+                           EMULATE=emulate),
+    )
+
+
+class _StatsScratch(NamedTuple):
+    """Launch 1's scratch: the chunks' column partials (K sums, V sums, V maxima, V minima; rows of one float32
+    allocation, each 128-byte aligned), one int32 ticket a kv head (0 between launches), and an empty float32
+    tensor for the pointers a launch does not use."""
+
+    ksum: torch.Tensor
+    vsum: torch.Tensor
+    vmax: torch.Tensor
+    vmin: torch.Tensor
+    tickets: torch.Tensor
+    empty: torch.Tensor
+
+    @staticmethod
+    def new(device: torch.device, part: int, heads: int) -> _StatsScratch:
+        rows = torch.empty((4, cdiv(part, 32) * 32), device=device, dtype=torch.float32).unbind(0)
+        return _StatsScratch(*rows, torch.zeros(heads, device=device, dtype=torch.int32),
+                             torch.empty(0, device=device, dtype=torch.float32))
+
+
+_STATS_SCRATCH: dict[tuple, _StatsScratch] = {}  # stream_key → the scratch of launches on that stream
+
+
+def _stats_scratch(device: torch.device, part: int, heads: int) -> _StatsScratch:
+    """Launch 1's scratch for the current stream, at least ``part`` floats a partial row and ``heads`` tickets: made
+    once and kept (launches on one stream run one after the other; each head's finalizing program resets its ticket),
+    grown when a call needs more. While a CUDA graph captures, a fresh one (from the graph's pool), never kept."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _StatsScratch.new(device, part, heads)
+    key = stream_key(device)
+    scratch = _STATS_SCRATCH.get(key)
+    if scratch is None or scratch.ksum.numel() < part or scratch.tickets.numel() < heads:
+        if scratch is not None:  # grown to the larger of both needs, so that two shapes do not take turns
+            part, heads = max(part, scratch.ksum.numel()), max(heads, scratch.tickets.numel())
+        scratch = _STATS_SCRATCH[key] = _StatsScratch.new(device, part, heads)
+    return scratch
+
+
 def quantize_qkv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -516,107 +619,67 @@ def quantize_qkv(
         :class:`QuantizedQKV` on ``q``'s device, launched on the current stream.
     """
     _check_inputs(q, k, v)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    if qk_granularity not in GRAN_IDS:
-        raise ValueError(f"qk_granularity {qk_granularity!r} not supported by the kernels; valid: {list(GRAN_IDS)}")
-    for name, blk in (("block_q", block_q), ("block_k", block_k)):
-        if blk & (blk - 1) or blk < 16:
-            raise ValueError(f"{name}={blk} must be a power of two >= 16")
-    if pad_to % block_k:
-        raise ValueError(f"pad_to={pad_to} must be a multiple of block_k={block_k}")
-    if v_key_order and (block_k < 32 or v_granularity == "block"):
-        raise ValueError("v_key_order reorders keys within 32: it needs block_k >= 32 and V scales that are not "
-                         f"per block (got block_k={block_k}, v_granularity={v_granularity!r})")
-    qk_fmt = _fmt_id(qk_format)
-    v_fmt = _fmt_id(pv_format)
-    q_max = FP8_MAX["fp8_e4m3"] if qk_fmt == FMT_FP8 else float(qk_qmax)
-    v_max = FP8_MAX["fp8_e4m3"] if v_fmt == FMT_FP8 else float(pv_qmax)
-    v_mode = V_GRAN_IDS[v_granularity]
+    r = _recipe(d, q.dtype, qk_format, qk_granularity, qk_qmax, smooth_q, smooth_k, smooth_v, pv_format, pv_qmax,
+                v_granularity, block_q, block_k, warps, pad_to, v_key_order, is_causal)
     dev = q.device
     f32 = dict(device=dev, dtype=torch.float32)
-    qk_dtype = torch.int8 if qk_fmt == FMT_INT else torch.float8_e4m3fn
-    v_dtype = torch.int8 if v_fmt == FMT_INT else torch.float8_e4m3fn
     nk_pad = cdiv(nk, pad_to) * pad_to
     nqb = cdiv(nq, block_q)
     nkb = nk_pad // block_k
-    emulate = interpreting()
-    empty = torch.empty(0, **f32)
     # what the three launches' specialization follows from (LaunchPlans' plan_key): every int argument derives from
-    # the inputs' shapes and strides, pad_to and the constexprs; every other tensor is allocated here
+    # the inputs' shapes and strides, pad_to and the constexprs; every other tensor is allocated here (or is a row of
+    # the scratch, 128-byte aligned)
     plan_key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), q.dtype, pad_to, q.data_ptr() % 16 == 0,
                 k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0)
 
-    need_vsum = smooth_v
-    need_vminmax = v_mode == V_CHANNEL
-    need_vabs = v_mode == V_TENSOR
-    if smooth_v and v_mode == V_TENSOR:
-        raise ValueError("smooth_v with a per-tensor V scale is not supported by the kernels")
-
     # launch 1: Q (block mean, smoothing, grouped quantization) beside the K/V statistics; each kv head's
     # last statistics program reduces its partials into K̄, V̄ and the per-channel V scale
-    q_hat = torch.empty((b, h, nq, d), device=dev, dtype=qk_dtype)
-    q_scale = torch.empty((b, h, nq), **f32)
-    q_mean = torch.empty((b, h, nqb, d), **f32) if smooth_q else torch.empty(0, **f32)
-    need_stats = smooth_k or need_vsum or need_vminmax or need_vabs
     nchunk = cdiv(nk, STATS_TILE * STATS_TILES)
-    part = max(b * hkv * nchunk * d, 1)
-    wanted = (smooth_k, need_vsum, need_vminmax, need_vminmax)  # the chunks' partials, in one allocation
-    parts = iter(torch.empty((sum(wanted), part), **f32).unbind(0))  # rows: Tensor.split's Python costs host time
-    ksum, vsum, vmax, vmin = (next(parts) if w else empty for w in wanted)
-    vabs = torch.zeros(1, **f32) if need_vabs else empty
-    finalize = smooth_k or smooth_v or need_vminmax
-    tickets = torch.zeros(b * hkv, device=dev, dtype=torch.int32) if finalize else empty
-    k_mean = torch.empty((b, hkv, d), **f32) if smooth_k else torch.empty(0, **f32)
-    v_mean = torch.empty((b, hkv, d), **f32) if smooth_v else torch.empty(0, **f32)
-    if v_mode == V_CHANNEL:
-        v_scale = torch.empty((b, hkv, d), **f32)
-    elif v_mode == V_BLOCK:
-        v_scale = torch.empty((b, hkv, nkb), **f32)
-    else:
-        v_scale = torch.empty(1, **f32)
+    scratch = _stats_scratch(dev, b * hkv * nchunk * d, b * hkv)
+    q_hat = torch.empty((b, h, nq, d), device=dev, dtype=r.qk_dtype)
+    q_scale = torch.empty((b, h, nq), **f32)
+    q_mean = torch.empty((b, h, nqb, d) if smooth_q else 0, **f32)
+    vabs = torch.zeros(1, **f32) if r.need_vabs else scratch.empty
+    k_mean = torch.empty((b, hkv, d) if smooth_k else 0, **f32)
+    v_mean = torch.empty((b, hkv, d) if smooth_v else 0, **f32)
+    v_scale = torch.empty((b, hkv, d) if r.v_mode == V_CHANNEL else (b, hkv, nkb) if r.v_mode == V_BLOCK else 1, **f32)
     q_programs = nqb * b * h
     _STATS_LAUNCH(
-        (q_programs + (nchunk * b * hkv if need_stats else 0),),
+        (q_programs + (nchunk * b * hkv if r.need_stats else 0),),
         (q, q_hat, q_scale, q_mean,
-         k, v, ksum, vsum, vmax, vmin, vabs, tickets, k_mean, v_mean, v_scale,
+         k, v, scratch.ksum, scratch.vsum, scratch.vmax, scratch.vmin, vabs, scratch.tickets, k_mean, v_mean, v_scale,
          q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
          v.stride(0), v.stride(1), v.stride(2),
          nq, h, nqb, q_programs, nk, hkv, nchunk, float(nk)),
-        dict(HEAD_DIM=d, BLOCK_Q=block_q, Q_SUB=min(block_q, max(block_q // warps, Q_SUB_ROWS)),
-             GRAN=GRAN_IDS[qk_granularity], WARPS=warps, QMAX=q_max,
-             QK_FMT=qk_fmt, SMOOTH_Q=smooth_q, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v,
-             V_CHANNEL=need_vminmax, V_ABS=need_vabs, V_QMAX=v_max, FINALIZE=finalize,
-             TILE=STATS_TILE, TILES=STATS_TILES, RTILE=32, EMULATE=emulate),
-        plan_key=plan_key, num_warps=Q_STATS_WARPS,
+        r.stats_constexprs, plan_key=plan_key, num_warps=Q_STATS_WARPS,
     )
 
     # launch 2: ΔS_raw = q̄ · Kᵀ on the raw K (needs q̄ only)
-    delta_s = torch.empty((b, h, nqb, nk_pad), **f32) if smooth_q else torch.empty(0, **f32)
+    delta_s = torch.empty((b, h, nqb, nk_pad) if smooth_q else 0, **f32)
     if smooth_q:
-        ds_block = _delta_s_tile(pad_to)
-        qb_tile = DS_TUNING["qb_tile_short"] if emulate or nqb <= DS_TUNING["short_nqb"] else DS_TUNING["qb_tile"]
+        short = interpreting() or nqb <= DS_TUNING["short_nqb"]
+        qb_tile = DS_TUNING["qb_tile_short"] if short else DS_TUNING["qb_tile"]
         _DELTA_S_LAUNCH(
-            (cdiv(nk_pad, ds_block), b * hkv),
+            (cdiv(nk_pad, _delta_s_tile(pad_to)), b * hkv),
             (k, q_mean, delta_s, k.stride(0), k.stride(1), k.stride(2), nk, nk_pad, hkv, h // hkv, nqb, nk - nq),
-            dict(HEAD_DIM=d, BLOCK_N=ds_block, QB_TILE=qb_tile, Q_BLOCK=block_q, K_BF16=k.dtype == torch.bfloat16,
-                 CAUSAL=is_causal, EMULATE=emulate),
-            plan_key=plan_key, num_warps=DS_TUNING["num_warps"], num_stages=DS_TUNING["num_stages"],
+            r.delta_s_constexprs[qb_tile], plan_key=plan_key, num_warps=DS_TUNING["num_warps"],
+            num_stages=DS_TUNING["num_stages"],
         )
 
     # launch 3: K and V (needs the statistics of launch 1)
-    k_hat = torch.empty((b, hkv, nk_pad, d), device=dev, dtype=qk_dtype)
+    k_hat = torch.empty((b, hkv, nk_pad, d), device=dev, dtype=r.qk_dtype)
     k_scale = torch.empty((b, hkv, nk_pad), **f32)
-    v_hat_t = torch.empty((b, hkv, d, nk_pad), device=dev, dtype=v_dtype)
+    v_hat_t = torch.empty((b, hkv, d, nk_pad), device=dev, dtype=r.v_dtype)
     _KV_LAUNCH(
         (nkb, b * hkv),
         (k, v, k_hat, k_scale, k_mean, v_hat_t, v_scale, v_mean, vabs,
          k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
          nk, nk_pad, hkv, nkb),
-        dict(HEAD_DIM=d, BLOCK=block_k, GRAN=GRAN_IDS[qk_granularity], QMAX=q_max, K_FMT=qk_fmt, SMOOTH_K=smooth_k,
-             V_MODE=v_mode, V_FMT=v_fmt, V_QMAX=v_max, SMOOTH_V=smooth_v, V_KEY_ORDER=v_key_order, EMULATE=emulate),
-        plan_key=plan_key, num_warps=4,
+        r.kv_constexprs, plan_key=plan_key, num_warps=4,
     )
     return QuantizedQKV(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean)
 

@@ -138,11 +138,23 @@ def test_quantization_variants_bit_exact(options):
     _check_quantization(q, k, v, kw)
 
 
+def _poison_stats_scratch(device):
+    """Fill the current stream's statistics partials (kept across calls) with NaN: a partial that a call reads
+    before it writes it shows."""
+    from quantpatch.kernels.attention.qk_quant_triton import _STATS_SCRATCH
+    from quantpatch.kernels.compiled_launch import stream_key
+
+    scratch = _STATS_SCRATCH.get(stream_key(device))
+    if scratch is not None:
+        for row in (scratch.ksum, scratch.vsum, scratch.vmax, scratch.vmin):
+            row.fill_(float("nan"))
+
+
 def test_statistics_of_a_head_over_many_programs():
     """K̄, V̄ and the V channel scales of a kv head whose statistics span several programs: the program that
-    finishes a head's last chunk reduces every chunk's partials (a ticket), so each must be visible to it. On the
-    GPU the allocator's free memory is first filled with NaN, so a partial read before it was written shows;
-    two calls must agree bit for bit (a fixed reduction order), and the means match float64 ones."""
+    finishes a head's last chunk reduces every chunk's partials (a ticket), so each must be visible to it. The
+    partials are filled with NaN before each call, so a partial read before it was written shows; two calls must
+    agree bit for bit (a fixed reduction order), and the means match float64 ones."""
     from quantpatch.kernels.attention.qk_quant_triton import STATS_TILE, STATS_TILES, quantize_qkv
 
     nk = 3 * STATS_TILE * STATS_TILES + 5  # four chunks, the last one partial
@@ -150,8 +162,7 @@ def test_statistics_of_a_head_over_many_programs():
     kw = {**_quant_kw("sage2-8b"), "smooth_v": True}
     outs = []
     for _ in range(2):
-        if CUDA:
-            torch.full((64 << 20,), float("nan"), device=DEVICE)  # freed at once: the next allocations reuse it
+        _poison_stats_scratch(q.device)
         outs.append(quantize_qkv(q, k, v, **kw))
     for name, a, b in zip(outs[0]._fields, *outs):
         assert torch.equal(a.view(torch.int8) if a.element_size() == 1 else a,
@@ -162,6 +173,25 @@ def test_statistics_of_a_head_over_many_programs():
     torch.testing.assert_close(outs[0].v_mean.double(), v_mean, rtol=MEAN_RTOL, atol=MEAN_RTOL)
     v_scale = (v64 - v_mean.unsqueeze(-2)).abs().amax(-2) / 448
     torch.testing.assert_close(outs[0].v_scale.double(), v_scale, rtol=MEAN_RTOL, atol=0)
+
+
+def test_statistics_scratch_is_kept_per_stream_with_its_tickets_back_at_zero():
+    """Launch 1's partials and tickets are the stream's scratch, kept across calls and grown for a larger one: each
+    kv head's finalizing program sets its ticket back to 0 (left at the chunk count, the next call's heads would
+    never finalize and K̄, V̄ and the V scales would be stale). Calls of two shapes in turn stay bit-exact."""
+    from quantpatch.kernels.attention.qk_quant_triton import _STATS_SCRATCH, STATS_TILE, STATS_TILES
+    from quantpatch.kernels.compiled_launch import stream_key
+
+    chunk = STATS_TILE * STATS_TILES
+    small = _inputs(17, chunk + 3, kind="outliers", seed=5)  # 2 kv heads of two chunks
+    large = _inputs(17, 2 * chunk + 5, heads=8, kv_heads=4, kind="outliers", seed=6)  # 4 kv heads of three chunks
+    kw = {**_quant_kw("sage2-8b"), "smooth_v": True}
+    for q, k, v in (small, large, small):
+        _poison_stats_scratch(q.device)
+        _check_quantization(q, k, v, kw)
+        scratch = _STATS_SCRATCH[stream_key(q.device)]
+        assert scratch.tickets.numel() >= k.shape[0] * k.shape[1] and not scratch.tickets.any()
+    assert scratch.ksum.numel() >= large[1].shape[1] * 3 * large[1].shape[-1]  # grown for the large call, kept
 
 
 @triton.jit
@@ -373,3 +403,63 @@ def test_gpu_public_api_takes_the_triton_path(layout):
     ref_err = rel_l1(quant_attention_ref(q, k, v, cfg, is_causal=True), exact)
     assert rel_l1(o.float(), exact) <= NOISE_FACTOR * ref_err + OUT_TOL[torch.bfloat16]
     assert math.isfinite(o.float().sum().item())
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["sage2-8b", "sage2-4b", "int8-flash"])
+def test_gpu_attention_replays_in_a_cuda_graph_beside_eager_calls(mode):
+    """Launch 1's scratch is the stream's, kept across eager calls; a CUDA graph captured after an eager call on the
+    same inputs gets its own, so its replays follow the new contents of the captured inputs and eager calls between
+    replays stay exact: every output equals an eager call's on the same values, bit for bit."""
+    import quantpatch
+
+    def inputs(seed):
+        return attention_inputs("outliers", batch=2, heads=4, seq_q=1500, dtype=torch.bfloat16, device=DEVICE,
+                                seed=seed)
+
+    static, fresh = [t.clone() for t in inputs(21)], inputs(22)
+
+    def call(q, k, v):
+        return quantpatch.attention(q, k, v, mode=mode, policy="always", strict=True)
+
+    before = call(*static)  # eager first: the stream's scratch exists when the capture starts
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call(*static)  # warm-up on the side stream (Triton's first launch compiles)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call(*static)
+    graph.replay()
+    assert torch.equal(captured, before)
+    for t, new in zip(static, fresh):
+        t.copy_(new)
+    graph.replay()
+    eager = call(*fresh)
+    assert torch.equal(captured, eager) and not torch.equal(eager, before)
+    graph.replay()  # after an eager call on this stream's scratch
+    assert torch.equal(captured, eager)
+
+
+@gpu
+@needs_cuda
+def test_gpu_attention_on_two_streams_at_once():
+    """Each stream has its own launch-1 scratch: calls on two streams that overlap give each stream's eager result."""
+    import quantpatch
+
+    inputs = [attention_inputs("outliers", heads=8, seq_q=3000, dtype=torch.bfloat16, device=DEVICE, seed=s)
+              for s in (31, 32)]
+    want = [quantpatch.attention(*x, mode="sage2-8b", policy="always", strict=True) for x in inputs]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    outs = [[], []]
+    for _ in range(4):
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                outs[i].append(quantpatch.attention(*inputs[i], mode="sage2-8b", policy="always", strict=True))
+    torch.cuda.synchronize()
+    for i in range(2):
+        assert all(torch.equal(o, want[i]) for o in outs[i])

@@ -96,6 +96,21 @@ def test_sm90_launcher_rejects_what_the_kernel_does_not_compute(operands, call, 
         attn_qk_int8_pv_fp8_sm90(_cpu_operands(**operands), 100, **call)
 
 
+@pytest.mark.parametrize("field, bad", [
+    ("k_hat", lambda t: t.transpose(2, 3).contiguous().transpose(2, 3)),  # (B, Hkv, Nk_pad, D) but D-major
+    ("v_hat_t", lambda t: t[..., :64]),  # unpadded keys
+    ("k_scale", lambda t: t.view(1, 128, 1)),
+])
+def test_sm90_launcher_rejects_operands_tma_cannot_read(field, bad):
+    """The TMA descriptors describe K̂, V̂ᵀ and the K scales by their expected shapes and contiguous strides: anything
+    else is rejected, not read out of bounds."""
+    from quantpatch.kernels.attention.one_warpgroup_gluon import attn_qk_int8_pv_fp8_sm90
+
+    x = _cpu_operands()
+    with pytest.raises(ValueError, match="TMA reads contiguous"):
+        attn_qk_int8_pv_fp8_sm90(x._replace(**{field: bad(getattr(x, field))}), 100)
+
+
 @pytest.mark.parametrize("mode, d, causal, n, expected", [
     ("sage2-8b", 128, False, 1024, "sm90"), ("sage2-8b", 64, False, 8192, "sm90"),
     ("sage2-8b", 128, True, 2048, "triton"), ("sage2-8b", 128, True, 4096, "sm90"),
@@ -122,3 +137,53 @@ def test_route_prefers_the_sm90_kernel_where_it_measured_faster(monkeypatch, mod
 
     monkeypatch.setattr(fast_paths, "ATTENTION_GLUON", OpenGate)
     assert fast_paths.attention_kernel(cfg, cpu, d, n, n, causal) == expected
+
+
+def _launch_operands(b=1, h=2, hkv=1, nq=100, nk_pad=128, head_dim=128, int8_flash=False):
+    """CPU operands of the launcher's shapes (contents unused): sage2 (FP8 V, per-channel scales) or int8-flash."""
+    from quantpatch.kernels.attention.qk_quant_triton import QuantizedQKV
+
+    i8, empty = torch.int8, torch.empty(0)
+    v_hat_t = torch.zeros(b, hkv, head_dim, nk_pad, dtype=i8)
+    v_hat_t, v_scale = (v_hat_t, torch.ones(1)) if int8_flash else (v_hat_t.to(torch.float8_e4m3fn),
+                                                                    torch.ones(b, hkv, head_dim))
+    return QuantizedQKV(torch.zeros(b, h, nq, head_dim, dtype=i8), torch.ones(b, h, nq), empty,
+                        torch.zeros(b, hkv, nk_pad, head_dim, dtype=i8), torch.ones(b, hkv, nk_pad), empty, empty,
+                        v_hat_t, v_scale, empty)
+
+
+def test_sm90_plan_key_determines_the_specialization(monkeypatch):
+    """The launcher keys its launch plan on three dtypes and the specialization of its tensor and int arguments, not
+    on the TMA descriptors' (built per call; their dtype, block shape and layout follow from the constexprs and those
+    dtypes): calls with one key have one specialization of every argument as Triton computes it. The descriptors
+    describe K̂, V̂ᵀ and the K scales as the 2-D / 1-D views Triton's ``from_tensor`` would take."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from quantpatch.kernels.attention import one_warpgroup_gluon as sm90
+    from quantpatch.kernels.compiled_launch import specialization
+
+    calls = []
+    monkeypatch.setattr(sm90, "_LAUNCH", lambda grid, args, constexprs, plan_key, **options: calls.append(
+        (args, (plan_key, tuple(constexprs.items()), tuple(options.items())))))
+    variants = [(dict(nq=nq), dict(nk=nk)) for nq in (100, 112, 1, 64) for nk in (100, 113, 128, 1)]
+    variants += [(dict(b=2, h=16, hkv=4, nk_pad=256), dict(nk=250)), (dict(b=2, h=16, hkv=16), dict(nk=97)),
+                 (dict(head_dim=64), dict(nk=100, return_lse=True)), (dict(), dict(nk=100, out_dtype=torch.float16)),
+                 (dict(int8_flash=True), dict(nk=100, qk_granularity="token")), (dict(nq=3000), dict(nk=100))]
+    for shape, call in variants:
+        sm90.attn_qk_int8_pv_fp8_sm90(_launch_operands(**shape), **call)
+    plans = {}
+    for args, key in calls:
+        assert plans.setdefault(key, specialization(args)) == specialization(args)
+    assert len(plans) < len(calls)  # lengths of one class share a plan
+
+    x = _launch_operands(b=2, h=4, hkv=2, nk_pad=256)
+    calls.clear()
+    sm90.attn_qk_int8_pv_fp8_sm90(x, 200)
+    k_desc, vt_desc, ks_desc = calls[0][0][1:4]
+    layouts = sm90.shared_layouts(128, 128)
+    views = (x.k_hat.view(-1, 128), [128, 128]), (x.v_hat_t.view(-1, 256), [128, 128]), (x.k_scale.view(-1), [128])
+    for desc, (view, block), layout in zip((k_desc, vt_desc, ks_desc), views, layouts):
+        ref = TensorDescriptor.from_tensor(view, block, layout)
+        assert desc.base.data_ptr() == ref.base.data_ptr() and desc.base.dtype == ref.base.dtype
+        assert (list(desc.shape), list(desc.strides), list(desc.block_shape), desc.layout) == (
+            list(ref.shape), list(ref.strides), list(ref.block_shape), ref.layout)
