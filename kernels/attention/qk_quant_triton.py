@@ -394,25 +394,26 @@ def _q_and_kv_stats_kernel(
     Q_ptr, QQ_ptr, QS_ptr, QM_ptr,
     K_ptr, V_ptr, KSUM_ptr, VSUM_ptr, VMAX_ptr, VMIN_ptr, VABS_ptr, TICKET_ptr, KM_ptr, VM_ptr, VS_ptr,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    NQ, H, NQB, Q_PROGRAMS, NK, HKV, NCHUNK, NK_F,
+    NQ, H, NQB, STATS_PROGRAMS, NK, HKV, NCHUNK, NK_F,
     HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, Q_SUB: tl.constexpr, GRAN: tl.constexpr, WARPS: tl.constexpr,
     QMAX: tl.constexpr, QK_FMT: tl.constexpr, SMOOTH_Q: tl.constexpr, SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr,
     V_CHANNEL: tl.constexpr, V_ABS: tl.constexpr, V_QMAX: tl.constexpr, FINALIZE: tl.constexpr,
     TILE: tl.constexpr, TILES: tl.constexpr, RTILE: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    """First launch. Programs ``[0, Q_PROGRAMS)``: one query block each (``_quant_q_block``). The rest: one
-    statistics chunk each (``_kv_stats_chunk``); the program that finishes a kv head's last chunk (a ticket:
-    an acq_rel atomic counter per head, 0 at the launch, after a CTA barrier that orders every thread's partial
-    stores before it) reduces that head's partials (``_kv_finalize_head``) and sets the ticket back to 0."""
+    """First launch. Programs ``[0, STATS_PROGRAMS)``: one statistics chunk each (``_kv_stats_chunk``), first in
+    the grid because each streams many tokens: the short query-block programs fill the SMs around them. The program
+    that finishes a kv head's last chunk (a ticket: an acq_rel atomic counter per head, 0 at the launch, after a CTA
+    barrier that orders every thread's partial stores before it) reduces that head's partials
+    (``_kv_finalize_head``) and sets the ticket back to 0. The rest: one query block each (``_quant_q_block``)."""
     pid = tl.program_id(0)
-    if pid < Q_PROGRAMS:
-        _quant_q_block(Q_ptr, QQ_ptr, QS_ptr, QM_ptr, pid % NQB, (pid // NQB).to(tl.int64),
+    if pid >= STATS_PROGRAMS:
+        q_pid = pid - STATS_PROGRAMS
+        _quant_q_block(Q_ptr, QQ_ptr, QS_ptr, QM_ptr, q_pid % NQB, (q_pid // NQB).to(tl.int64),
                        stride_qb, stride_qh, stride_qn, NQ, H, NQB,
                        HEAD_DIM, BLOCK_Q, Q_SUB, GRAN, WARPS, QMAX, QK_FMT, SMOOTH_Q, EMULATE)
     else:
-        s = pid - Q_PROGRAMS
-        pid_bh = (s // NCHUNK).to(tl.int64)  # offsets of large tensors exceed int32
-        _kv_stats_chunk(K_ptr, V_ptr, KSUM_ptr, VSUM_ptr, VMAX_ptr, VMIN_ptr, VABS_ptr, s % NCHUNK, pid_bh,
+        pid_bh = (pid // NCHUNK).to(tl.int64)  # offsets of large tensors exceed int32
+        _kv_stats_chunk(K_ptr, V_ptr, KSUM_ptr, VSUM_ptr, VMAX_ptr, VMIN_ptr, VABS_ptr, pid % NCHUNK, pid_bh,
                         stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, NK, HKV, NCHUNK,
                         HEAD_DIM, TILE, TILES, SMOOTH_K, SMOOTH_V, V_CHANNEL, V_ABS)
         if FINALIZE:
@@ -647,14 +648,14 @@ def quantize_qkv(
     k_mean = torch.empty((b, hkv, d) if smooth_k else 0, **f32)
     v_mean = torch.empty((b, hkv, d) if smooth_v else 0, **f32)
     v_scale = torch.empty((b, hkv, d) if r.v_mode == V_CHANNEL else (b, hkv, nkb) if r.v_mode == V_BLOCK else 1, **f32)
-    q_programs = nqb * b * h
+    stats_programs = nchunk * b * hkv if r.need_stats else 0
     _STATS_LAUNCH(
-        (q_programs + (nchunk * b * hkv if r.need_stats else 0),),
+        (stats_programs + nqb * b * h,),
         (q, q_hat, q_scale, q_mean,
          k, v, scratch.ksum, scratch.vsum, scratch.vmax, scratch.vmin, vabs, scratch.tickets, k_mean, v_mean, v_scale,
          q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
          v.stride(0), v.stride(1), v.stride(2),
-         nq, h, nqb, q_programs, nk, hkv, nchunk, float(nk)),
+         nq, h, nqb, stats_programs, nk, hkv, nchunk, float(nk)),
         r.stats_constexprs, plan_key=plan_key, num_warps=Q_STATS_WARPS,
     )
 

@@ -34,7 +34,7 @@ from quantpatch.config import AttentionConfig
 logger = logging.getLogger("quantpatch")
 
 TABLE_VERSION = 1
-TUNE_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+TUNE_LENGTHS = (1024, 2048, 4096, 6144, 8192, 16384, 32768)
 TUNE_HEAD_DIMS = (64, 128)
 TUNE_MODES = ("sage2-8b", "sage2-4b", "int8-flash", "fireq", "turbo")
 
