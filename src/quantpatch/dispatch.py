@@ -279,6 +279,8 @@ def speed_reason(cfg: AttentionConfig, device: torch.device, head_dim: int, nq: 
     Decided from shapes against the crossover table of the device's architecture (:mod:`quantpatch.routing`),
     looked up once per (device, numerics, head dim, causal): a call costs a dict lookup and two comparisons.
     """
+    if not cfg.quantized:
+        return "the mode leaves attention unquantized"
     if device.type != "cuda":
         return "SDPA is faster than the PyTorch reference off the GPU"
     length, why = crossover_lookup()(device.index or 0, routing.speed_key(cfg), head_dim, is_causal)

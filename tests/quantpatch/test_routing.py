@@ -40,6 +40,12 @@ def test_shipped_sm90_table_decides_by_length(d, causal, n, quantized):
         assert "sm_90" in why and f"D={d}" in why
 
 
+def test_a_mode_without_quantized_attention_says_so_rather_than_a_table_entry():
+    # mode "off" (FP8 linears alone) still wraps the attention sites: their calls run SDPA for that reason
+    why = dispatch.speed_reason(qp.get_mode("off").attention, torch.device("cuda", 0), 128, 32768, 32768, False)
+    assert why == "the mode leaves attention unquantized"
+
+
 def test_cross_attention_over_few_keys_runs_sdpa():
     assert "crossover of 8192" in dispatch.speed_reason(SAGE, CUDA, 128, 32760, 512, False)
 
