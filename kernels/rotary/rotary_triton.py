@@ -130,19 +130,50 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, form
 
 
 def rotary_embedding_checked(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, form: str) -> torch.Tensor:
-    """:func:`rotary_embedding` without its checks, for callers on a hot path that already had
-    :func:`rotary_unsupported` return None for these tensors (and pass a ``form`` of ``rotary_ref.FORMS``)."""
-    out = torch.empty_like(x)
-    b, seq, h, d = x.shape
-    n_tok = b * seq
-    if n_tok and h:
-        cb = cos.stride(0) if cos.shape[0] > 1 else 0
+    """:func:`rotary_embedding` without its checks, for callers that already had :func:`rotary_unsupported` return
+    None for these tensors (and pass a ``form`` of ``rotary_ref.FORMS``)."""
+    return RotaryPlan(x, cos, sin, form)(x, cos, sin)
+
+
+class RotaryPlan:
+    """:func:`rotary_embedding` of every call whose tensors have one layout (shapes, strides, dtypes, device and
+    16-byte alignment of their data), the launch's arguments worked out once.
+
+    Made from ``x (B, S, H, D)``, ``cos`` and ``sin`` as the kernel reads them, once :func:`rotary_unsupported`
+    returned None for them and ``form`` is one of ``rotary_ref.FORMS``. Called with those tensors or with the
+    tensors they are views of (the same data at the same addresses): a caller on a hot path keeps plans by the
+    layout of its own tensors and makes the views once a layout. ``out_of`` turns a tensor like ``x`` into the
+    caller's layout (the inverse of the view it made of its ``x``); a call returns the output so, strided as
+    ``out_of(torch.empty_like(x))`` is.
+    """
+
+    __slots__ = ("grid", "ints", "constexprs", "plan_key", "like", "size", "stride", "dtype", "device")
+
+    def __init__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, form: str, out_of=None):
+        out = torch.empty_like(x)
+        b, seq, h, d = x.shape
+        n_tok = b * seq
         head_tables = cos.shape[2] > 1
         block_h = min(MAX_HEADS, h & -h)  # the largest power of two dividing H: no masked heads
-        _LAUNCH((cdiv(n_tok, TOKENS), h // block_h),
-                (x, cos, sin, out, n_tok, seq, x.stride(0), x.stride(1), x.stride(2), cb, cos.stride(1),
-                 cos.stride(2) if head_tables else 0, out.stride(0), out.stride(1), out.stride(2)),
-                dict(D=d, BLOCK_H=block_h, TOKENS=TOKENS, FORM=_FORM[form], PRODUCTS=ROUND_TO[cos.dtype],
-                     OUT=ROUND_TO[x.dtype], HEAD_TABLES=head_tables, EMULATE=interpreting()),
-                num_warps=4, enable_fp_fusion=False)
-    return out
+        self.grid = (cdiv(n_tok, TOKENS), h // block_h) if n_tok and h else None
+        self.ints = (n_tok, seq, x.stride(0), x.stride(1), x.stride(2), cos.stride(0) if cos.shape[0] > 1 else 0,
+                     cos.stride(1), cos.stride(2) if head_tables else 0, out.stride(0), out.stride(1), out.stride(2))
+        self.constexprs = dict(D=d, BLOCK_H=block_h, TOKENS=TOKENS, FORM=_FORM[form], PRODUCTS=ROUND_TO[cos.dtype],
+                               OUT=ROUND_TO[x.dtype], HEAD_TABLES=head_tables, EMULATE=interpreting())
+        # what the launch specializes on besides the ints: dtypes and alignment (the output is a fresh allocation)
+        self.plan_key = (self.ints, x.dtype, cos.dtype, x.data_ptr() % 16 == 0,
+                         cos.data_ptr() % 16 == 0, sin.data_ptr() % 16 == 0)
+        if out_of is not None:
+            out, x = out_of(out), out_of(x)
+        # torch.empty_like of the caller's x strides the output so where that x is dense with these strides
+        self.like = out.stride() == x.stride()
+        self.size, self.stride, self.dtype, self.device = out.shape, out.stride(), out.dtype, out.device
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The rotated ``x``: ``x``, ``cos``, ``sin`` of the plan's layout (or the tensors its views were made of)."""
+        out = torch.empty_like(x) if self.like else torch.empty_strided(self.size, self.stride, dtype=self.dtype,
+                                                                           device=self.device)
+        if self.grid is not None:
+            _LAUNCH(self.grid, (x, cos, sin, out) + self.ints, self.constexprs, plan_key=self.plan_key, num_warps=4,
+                    enable_fp_fusion=False)
+        return out

@@ -18,6 +18,11 @@ over, each bit for bit (:mod:`quantpatch.kernels.rotary.rotary_ref`), by the Tri
   tables, a row per group of 128 channels).
 
 Processors whose source differs (another Diffusers version) run their own rotation unchanged.
+
+A replacement's call pays little host work besides the launch (LTX-Video rotates twice in each of its 28 blocks):
+what the kernel's checks and launch arguments depend on, the layout of the call's tensors, is decided on the first
+call with that layout and kept (:class:`~quantpatch.kernels.rotary.rotary_triton.RotaryPlan`); later calls launch
+on the caller's own tensors, without making the views the kernel reads.
 """
 
 from __future__ import annotations
@@ -92,21 +97,67 @@ def take_rotary(attn: Any, index: int, args: tuple, kwargs: dict) -> tuple[tuple
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x (B, S, H, D)`` rotated as Wan's processor rotates it: one Triton launch on CUDA in eager mode where the
     kernel takes the shapes, the reference otherwise."""
-    if _kernel_takes(x, cos, sin):
-        from quantpatch.kernels.rotary.rotary_triton import rotary_embedding_checked
-
-        return rotary_embedding_checked(x, cos, sin, "wan")
+    if plain_cuda_eager(x, cos, sin):
+        plan = _planned(_wan_plan, None, x, cos, sin)
+        if plan is not None:
+            return plan(x, cos, sin)
     return rotary_embedding_ref(x, cos, sin)
 
 
-def _kernel_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Plain CUDA tensors in eager mode (:func:`~quantpatch.patches.plain_cuda_eager`), of shapes the kernel
-    takes."""
-    if not plain_cuda_eager(x, cos, sin):
-        return False
-    from quantpatch.kernels.rotary.rotary_triton import rotary_unsupported
+# (route, its argument, layout of the call's tensors) → the kernel's RotaryPlan, or None where it cannot take them
+_PLANS: dict[tuple, Any] = {}
 
-    return rotary_unsupported(x, cos, sin) is None
+
+def _planned(route, argument, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+    """The plan ``route(x, cos, sin, argument)`` makes for tensors of this layout (shapes, strides, dtypes, devices
+    and 16-byte alignment: all the kernel's checks and launch depend on), made on the first call with it; plain
+    CUDA tensors in eager mode only (:func:`~quantpatch.patches.plain_cuda_eager`)."""
+    key = (route, argument, x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() & 15, cos.shape, cos.stride(),
+           cos.dtype, cos.get_device(), cos.data_ptr() & 15, sin.shape, sin.stride(), sin.dtype, sin.get_device(),
+           sin.data_ptr() & 15)
+    try:
+        return _PLANS[key]
+    except KeyError:
+        plan = _PLANS[key] = route(x, cos, sin, argument)
+        return plan
+
+
+def _plan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, form: str, out_of=None) -> Any:
+    """The kernel's plan for ``x (B, S, H, D)``, ``cos``, ``sin`` in ``form`` (None where the kernel cannot take
+    them); ``out_of`` turns the output into the caller's layout."""
+    from quantpatch.kernels.rotary.rotary_triton import RotaryPlan, rotary_unsupported
+
+    return RotaryPlan(x, cos, sin, form, out_of) if rotary_unsupported(x, cos, sin) is None else None
+
+
+def _wan_plan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, _) -> Any:
+    return _plan(x, cos, sin, "wan")
+
+
+def _paired_plan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> Any:
+    """Diffusers' ``x (B, S, H, D)`` (``sequence_dim=1``) or ``(B, H, S, D)`` (2) with float32 ``(S, D)`` tables."""
+    if sequence_dim not in (1, 2) or x.dim() != 4 or cos.dim() != 2 or cos.dtype != torch.float32:
+        return None
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    if sequence_dim == 1:
+        return _plan(x, cos, sin, "paired")
+    return _plan(x.transpose(1, 2), cos, sin, "paired", _swap_heads)
+
+
+def _swap_heads(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2)
+
+
+def _channel_plan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, _) -> Any:
+    """LTX-Video's ``x (B, S, C)`` with float32 ``(1 or B, S, C)`` tables, as ``(B, S, C / 128, 128)``."""
+    if x.dim() != 3 or x.shape[-1] % CHANNEL_GROUP or cos.shape[1:] != x.shape[1:] or cos.dtype != torch.float32:
+        return None
+    groups = (x.shape[-1] // CHANNEL_GROUP, CHANNEL_GROUP)
+    return _plan(x.unflatten(-1, groups), cos.unflatten(-1, groups), sin.unflatten(-1, groups), "paired", _flat)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.flatten(2)
 
 
 def fused_rotation(processor: Any, module: Any) -> tuple[tuple, Any]:
@@ -135,16 +186,12 @@ def paired_rotary(original):
     narrower dtype give float32 products, where the kernel would round them to the tables' dtype."""
 
     def apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2):
-        if use_real and use_real_unbind_dim == -1 and sequence_dim in (1, 2) and x.dim() == 4 \
-                and isinstance(freqs_cis, (tuple, list)) and len(freqs_cis) == 2 and freqs_cis[0].dim() == 2 \
-                and freqs_cis[0].dtype == torch.float32:
-            view = x if sequence_dim == 1 else x.transpose(1, 2)  # (B, S, H, D)
-            cos, sin = (t[None, :, None, :] for t in freqs_cis)
-            if _kernel_takes(view, cos, sin):
-                from quantpatch.kernels.rotary.rotary_triton import rotary_embedding_checked
-
-                out = rotary_embedding_checked(view, cos, sin, "paired")
-                return out if sequence_dim == 1 else out.transpose(1, 2)
+        if use_real and use_real_unbind_dim == -1 and isinstance(freqs_cis, (tuple, list)) and len(freqs_cis) == 2:
+            cos, sin = freqs_cis
+            if plain_cuda_eager(x, cos, sin):
+                plan = _planned(_paired_plan, sequence_dim, x, cos, sin)
+                if plan is not None:
+                    return plan(x, cos, sin)
         return original(x, freqs_cis, use_real=use_real, use_real_unbind_dim=use_real_unbind_dim,
                         sequence_dim=sequence_dim)
 
@@ -158,15 +205,12 @@ def channel_rotary(original):
     every other call to ``original``."""
 
     def apply_rotary_emb(x, freqs):
-        if x.dim() == 3 and x.shape[-1] % CHANNEL_GROUP == 0 and isinstance(freqs, (tuple, list)) and len(freqs) == 2 \
-                and freqs[0].shape[1:] == x.shape[1:] and freqs[0].dtype == torch.float32:
-            groups = (*x.shape[:2], x.shape[-1] // CHANNEL_GROUP, CHANNEL_GROUP)  # (B, S, C / 128, 128)
-            view = x.unflatten(-1, groups[2:])
-            cos, sin = (t.unflatten(-1, groups[2:]) for t in freqs)
-            if _kernel_takes(view, cos, sin):
-                from quantpatch.kernels.rotary.rotary_triton import rotary_embedding_checked
-
-                return rotary_embedding_checked(view, cos, sin, "paired").flatten(2)
+        if isinstance(freqs, (tuple, list)) and len(freqs) == 2:
+            cos, sin = freqs
+            if plain_cuda_eager(x, cos, sin):
+                plan = _planned(_channel_plan, None, x, cos, sin)
+                if plan is not None:
+                    return plan(x, cos, sin)
         return original(x, freqs)
 
     return apply_rotary_emb

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from quantpatch.kernels.rotary.rotary_ref import FORMS, rotary_embedding_ref
-from quantpatch.kernels.rotary.rotary_triton import TOKENS, rotary_embedding, rotary_unsupported
+from quantpatch.kernels.rotary.rotary_triton import TOKENS, RotaryPlan, rotary_embedding, rotary_unsupported
 from tests.gpu import DEVICE, needs_cuda
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -98,6 +98,26 @@ def test_a_table_row_per_head(form):
     assert not torch.equal(out, rotary_embedding_ref(x, cos[:, :, :1], sin[:, :, :1], form))
 
 
+def test_a_plan_made_from_views_rotates_the_tensors_they_view():
+    """A plan made once from ``(B, S, H, D)`` views of ``(B, H, S, D)`` tensors and ``(S, D)`` tables, then called
+    with the tensors themselves (new values, the same layout): the reference of the views, bit for bit, the output
+    back in the callers' layout and strided like the tensor (dense) or as the kernel's output (not dense)."""
+    gen = torch.Generator().manual_seed(4)
+    cos, sin = torch.randn(2, 6, 16, generator=gen).unbind()  # (S, D) tables as Diffusers passes them
+    tables = cos[None, :, None], sin[None, :, None]
+    for heads in (3, 5):  # the three heads of a dense tensor, the first three of a larger one
+        def make():
+            return torch.randn(2, heads, 6, 16, generator=gen)[:, :3].to(torch.bfloat16)
+
+        plan = RotaryPlan(make().transpose(1, 2), *tables, "paired", lambda t: t.transpose(1, 2))
+        for _ in range(2):
+            x = make()
+            out = plan(x, cos, sin)
+            assert torch.equal(out, rotary_embedding_ref(x.transpose(1, 2), *tables, "paired").transpose(1, 2))
+            expected = x if heads == 3 else torch.empty_like(x.transpose(1, 2)).transpose(1, 2)
+            assert out.stride() == expected.stride()
+
+
 @pytest.mark.parametrize("bad, needle", [
     (lambda x, c, s: (x[..., :12], c[..., :12], s[..., :12]), "power of two"),
     (lambda x, c, s: (x, c.double(), s), "float32"),
@@ -128,3 +148,6 @@ def test_gpu_kernel_equals_reference_bit_for_bit(dtype, form):
     out = rotary_embedding(x, cos, sin, form)
     assert torch.equal(out, rotary_embedding_ref(x, cos, sin, form))
     assert torch.equal(out.cpu(), rotary_embedding_ref(x.cpu(), cos.cpu(), sin.cpu(), form))
+    plan = RotaryPlan(x, cos, sin, form)  # its first call compiles or finds the kernel, the second relaunches it
+    for scale in (1, 3):
+        assert torch.equal(plan(x * scale, cos, sin), rotary_embedding_ref(x * scale, cos, sin, form))
