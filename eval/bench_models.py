@@ -37,12 +37,14 @@ batch × context passes the turbo-cache crossover of ``policy="speed"`` (every c
 the other columns decode with Transformers' default ``DynamicCache``.
 
 Timing: a step or prefill is called ``--warmup`` times (the first call's output is the one compared), then
-``--reps`` calls are timed with CUDA events, median reported. A decode row runs ``--warmup`` untimed
-``generate()`` calls, then one timed ``generate()`` of ``--decode-tokens`` tokens; a logits processor marks each
-step with a CUDA event and forces the next token; ms/token is the median interval between steps (the prefill is
-not in it). ``--rounds R`` times every column of a row R times, the columns in turn (forward, then backward, ...),
-and reports each column's median over the rounds (``ms_rounds`` in the JSON): a host whose speed drifts within a
-run then weighs on every column alike. The output compared and the patch report are the first round's.
+``--reps`` calls are timed with CUDA events, median reported, with the host's time until each call returned
+(``host ms``: where it comes close to ``ms``, the GPU waited on the host's launches). A decode row runs
+``--warmup`` untimed ``generate()`` calls, then one timed ``generate()`` of ``--decode-tokens`` tokens; a logits
+processor marks each step with a CUDA event and forces the next token; ms/token is the median interval between
+steps (the prefill is not in it). ``--rounds R`` times every column of a row R times, the columns in turn
+(forward, then backward, ...), and reports each column's median over the rounds (``ms_rounds`` in the JSON): a
+host whose speed drifts within a run then weighs on every column alike. The output compared, the patch report and
+``host ms`` are the first round's.
 
 ``--layers N`` (every row) or ``--layers ROW=N`` cuts a model to N transformer blocks (double / single stream
 models keep their 1:2 ratio), e.g. to fit the memory or the time; each row says what it ran. ``--quick``: every
@@ -486,9 +488,11 @@ def run_column(row: Row, column: str, call: Callable[[], Any], device: torch.dev
                 ms = harness.median(steps)
                 record["steps"] = len(steps)
             else:
-                out, times = harness.time_calls(call, device, warmup=args.warmup, reps=args.reps)
+                host: list[float] = []
+                out, times = harness.time_calls(call, device, warmup=args.warmup, reps=args.reps, host_ms=host)
                 ms = harness.median(times)
                 record["times_ms"] = [round(t, 3) for t in times]
+                record["host_ms"] = harness.median(host)
     except torch.cuda.OutOfMemoryError:
         free(device)
         return record | {"skipped": "out of GPU memory"}, None
@@ -587,10 +591,10 @@ def add_speedups(results: list[dict]) -> None:
 
 
 TABLE = [("row", "row", "s"), ("layers", "layers", "s"), ("column", "column", "s"), ("ms", "ms", ".2f"),
-         ("speedup", "x unpatched", ".3f"), ("cos_sim", "CosSim", ".6f"), ("rel_l1", "rel L1", ".4f"),
-         ("note", "note", "s")]
-CSV_FIELDS = ["row", "model", "kind", "what", "layers", "column", "ms", "speedup", "cos_sim", "rel_l1", "finite",
-              "steps", "note"]
+         ("host_ms", "host ms", ".2f"), ("speedup", "x unpatched", ".3f"), ("cos_sim", "CosSim", ".6f"),
+         ("rel_l1", "rel L1", ".4f"), ("note", "note", "s")]
+CSV_FIELDS = ["row", "model", "kind", "what", "layers", "column", "ms", "host_ms", "speedup", "cos_sim", "rel_l1",
+              "finite", "steps", "note"]
 
 
 def table_rows(results: list[dict]) -> list[dict]:
@@ -613,8 +617,10 @@ def summary_md(meta: dict, results: list[dict]) -> str:
         lines += [f"Rows {', '.join(earlier['rows'])} from an earlier run on the same GPU ({earlier['date']}, commit "
                   f"{earlier['git_sha']}): `{earlier['command']}`", ""]
     lines += [
-             "ms: median of the timed calls (decode: ms per new token); x unpatched: the `sdpa` column's ms over "
-             "the column's; CosSim / rel L1: the output against the `sdpa` column's; layers: blocks kept when cut.",
+             "ms: median of the timed calls (decode: ms per new token); host ms: median time until a step or prefill "
+             "call returned on the host, its launches enqueued (first round; near ms: the column waited on the "
+             "host); x unpatched: the `sdpa` column's ms over the column's; CosSim / rel L1: the output against the "
+             "`sdpa` column's; layers: blocks kept when cut.",
              "", harness.markdown_table(table_rows(results), TABLE), ""]
     return "\n".join(lines)
 

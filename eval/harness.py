@@ -74,13 +74,15 @@ def _synchronize(device: torch.device) -> None:
 
 
 def time_calls(fn: Callable[[], object], device: str | torch.device, *, warmup: int = 1,
-               reps: int = 3) -> tuple[object, list[float]]:
+               reps: int = 3, host_ms: list[float] | None = None) -> tuple[object, list[float]]:
     """Run ``fn()`` ``warmup`` times, then time ``reps`` calls one by one (CUDA events around each on a GPU,
     ``perf_counter`` after a synchronize on a CPU).
 
     For calls long enough that launch gaps between calls do not matter (a model step: milliseconds to
     seconds); the median of the returned times is the figure to report. Returns ``(output of the first
     call, [ms of each timed call])``; with ``warmup=0`` the first call is also the first timed one.
+    ``host_ms`` (a list) receives, for each timed call, the ms until ``fn()`` returned on the host: on a GPU, where
+    it comes close to the call's time, the call waited on the host's launches rather than on the device.
     """
     device = torch.device(device)
     first, times = None, []
@@ -89,18 +91,22 @@ def time_calls(fn: Callable[[], object], device: str | torch.device, *, warmup: 
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             out = fn()
+            host = (time.perf_counter() - t0) * 1e3
             end.record()
             end.synchronize()
             ms = start.elapsed_time(end)
         else:
             t0 = time.perf_counter()
             out = fn()
-            ms = (time.perf_counter() - t0) * 1e3
+            ms = host = (time.perf_counter() - t0) * 1e3
         if i == 0:
             first = out
         if i >= warmup:
             times.append(ms)
+            if host_ms is not None:
+                host_ms.append(host)
         del out
     return first, times
 
