@@ -296,9 +296,12 @@ def _(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale,
 # --------------------------------------------------------------------------- the implementation
 
 
-# (config, head_dim, causal, kernel) → (quantize_qkv's keywords, kernel_blocks): made once (a frozen config hashes in
-# a fraction of a µs, less than building these)
-_PREFILL_STATIC: dict[tuple, tuple[dict, dict]] = {}
+@functools.cache
+def _prefill_static(cfg: AttentionConfig, head_dim: int, is_causal: bool, kernel: str) -> tuple[dict, dict]:
+    """``quantize_qkv``'s keywords and :func:`kernel_blocks` of a call, made once per (config, head_dim, causal,
+    kernel): a frozen config hashes in a fraction of a µs, less than building these."""
+    return (quant_options(cfg) | dict(v_key_order=kernel != "triton", is_causal=is_causal),
+            kernel_blocks(cfg, head_dim))
 
 
 def prefill_options(cfg: AttentionConfig, device: torch.device, head_dim: int, nq: int, nk: int, *, is_causal: bool,
@@ -308,12 +311,7 @@ def prefill_options(cfg: AttentionConfig, device: torch.device, head_dim: int, n
     changed), and :func:`attn_qk_int8_pv_fp8_op`'s options after the quantized tensors (the kernel
     :func:`attention_kernel` picks, else the Triton kernel with :func:`kernel_blocks`, or ``blocks`` where given)."""
     kernel = "triton" if blocks is not None else attention_kernel(cfg, device, head_dim, nq, nk, is_causal)
-    key = (cfg, head_dim, is_causal, kernel)
-    static = _PREFILL_STATIC.get(key)
-    if static is None:
-        static = _PREFILL_STATIC[key] = (quant_options(cfg) | dict(v_key_order=kernel != "triton", is_causal=is_causal),
-                                         kernel_blocks(cfg, head_dim))
-    quant_kw, kb = static
+    quant_kw, kb = _prefill_static(cfg, head_dim, is_causal, kernel)
     if blocks is not None:
         kb = blocks
     options = (nk, is_causal, sm_scale, return_lse, out_dtype, cfg.block_q, cfg.l_from_quantized_p,
