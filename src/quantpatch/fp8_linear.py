@@ -139,15 +139,25 @@ def scaled_mm_rowwise(x: torch.Tensor, quantize: Callable[[torch.Tensor], tuple[
     return y.view(*x.shape[:-1], n)
 
 
-def _gpu_unsupported(call: LinearCall) -> str | None:
-    """Why the GPU path cannot take ``call``: a reason to warn about on a CUDA device; :class:`Quiet` off CUDA (the
-    reference is that device's path) and for an empty input."""
-    x, bias = call.x, call.layer._buffers["bias"]  # the buffer dict: nn.Module.__getattr__ costs host time a call
+def scaled_mm_inputs_unsupported(x: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """Why :func:`scaled_mm_rowwise` cannot take ``x`` with ``bias`` (:func:`scaled_mm_unsupported`, or a bias of
+    another dtype: ``torch._scaled_mm`` adds it in the output dtype): a reason to warn about on a CUDA device,
+    :class:`Quiet` off CUDA (the reference is that device's path); None if it can."""
     reason = scaled_mm_unsupported(x.device, x.dtype, bias is not None)
     if reason is None and bias is not None and bias.dtype != x.dtype:
         reason = f"bias dtype {bias.dtype} differs from the input dtype {x.dtype}"
     if reason is not None:
         return reason if x.is_cuda else Quiet(reason)
+    return None
+
+
+def _gpu_unsupported(call: LinearCall) -> str | None:
+    """Why the GPU path cannot take ``call`` (:func:`scaled_mm_inputs_unsupported`; :class:`Quiet` for an empty
+    input)."""
+    x = call.x  # the buffer dict below: nn.Module.__getattr__ costs host time a call
+    reason = scaled_mm_inputs_unsupported(x, call.layer._buffers["bias"])
+    if reason is not None:
+        return reason
     return None if x.numel() else Quiet("an empty input")
 
 

@@ -73,20 +73,17 @@ def _register_kernels(kernels: ModuleType) -> None:
 def _lut_unsupported(call: LinearCall) -> str | None:
     """Why ``torch._scaled_mm`` cannot run this call's ``"lut"`` product (quiet for the ``"group"`` operand, which
     the Triton and Gluon kernels take, and where the device cannot run FP8 GEMMs: the reference is its path)."""
-    from quantpatch.fp8_linear import scaled_mm_unsupported
+    from quantpatch.fp8_linear import scaled_mm_inputs_unsupported
 
     x, layer = call.x, call.layer
     if layer.weight_operand != "lut":
         return Quiet(f"weight_operand={layer.weight_operand!r} (this path takes 'lut')")
-    bias = layer._buffers["bias"]
-    reason = scaled_mm_unsupported(x.device, x.dtype, bias is not None)
+    reason = scaled_mm_inputs_unsupported(x, layer._buffers["bias"])
     if reason is not None:
-        return reason if x.is_cuda else Quiet(reason)
+        return reason
     if layer.group_size != GROUP_SIZE or layer.in_features % GROUP_SIZE or layer.out_features % 16:
         return (f"{layer.what}: group_size {layer.group_size}, in_features a multiple of {GROUP_SIZE} and "
                 "out_features of 16 are what torch._scaled_mm's operands take")
-    if bias is not None and bias.dtype != x.dtype:
-        return f"a {bias.dtype} bias with {x.dtype} inputs (torch._scaled_mm adds the bias in the output dtype)"
     if torch.compiler.is_compiling():
         return Quiet("traced by torch.compile: the path launches its kernels eagerly")
     return None if x.numel() else Quiet("an empty input")
