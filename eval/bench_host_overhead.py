@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import machine_record, markdown_table, write_csv, write_json  # noqa: E402
+from harness import machine_record, markdown_table, time_calls, write_csv, write_json  # noqa: E402
 
 import quantpatch  # noqa: E402
 
@@ -56,18 +56,11 @@ def host_us(fn: Callable[[], object], device: torch.device, calls: int, repeats:
 
 
 def host_once_us(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median over ``repeats`` of the wall time of one call, the device synchronized before (not inside) it: the
-    host time of a call whose GPU work outlasts it, in µs."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e6)
-    torch.cuda.synchronize(device)
-    return statistics.median(times)
+    """Median over ``repeats`` of the wall time of one call, the device synchronized before (not inside) it
+    (:func:`harness.time_calls`' host time): the host time of a call whose GPU work outlasts it, in µs."""
+    host_ms: list[float] = []
+    time_calls(fn, device, warmup=3, reps=repeats, host_ms=host_ms)
+    return statistics.median(host_ms) * 1e3
 
 
 def kernel_route_rows(args, device: torch.device) -> list[dict]:
