@@ -97,15 +97,22 @@ def take_rotary(attn: Any, index: int, args: tuple, kwargs: dict) -> tuple[tuple
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x (B, S, H, D)`` rotated as Wan's processor rotates it: one Triton launch on CUDA in eager mode where the
     kernel takes the shapes, the reference otherwise."""
-    if plain_cuda_eager(x, cos, sin):
-        plan = _planned(_wan_plan, None, x, cos, sin)
-        if plan is not None:
-            return plan(x, cos, sin)
-    return rotary_embedding_ref(x, cos, sin)
+    out = _fused(_wan_plan, None, x, cos, sin)
+    return rotary_embedding_ref(x, cos, sin) if out is None else out
 
 
 # (route, its argument, layout of the call's tensors) → the kernel's RotaryPlan, or None where it cannot take them
 _PLANS: dict[tuple, Any] = {}
+
+
+def _fused(route, argument, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """``x`` rotated by the kernel through :func:`_planned`'s plan; None where these are not plain CUDA tensors in
+    eager mode (:func:`~quantpatch.patches.plain_cuda_eager`) or the kernel does not take their layout (the
+    caller's own rotation runs)."""
+    if not plain_cuda_eager(x, cos, sin):
+        return None
+    plan = _planned(route, argument, x, cos, sin)
+    return None if plan is None else plan(x, cos, sin)
 
 
 def _planned(route, argument, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
@@ -187,11 +194,9 @@ def paired_rotary(original):
 
     def apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2):
         if use_real and use_real_unbind_dim == -1 and isinstance(freqs_cis, (tuple, list)) and len(freqs_cis) == 2:
-            cos, sin = freqs_cis
-            if plain_cuda_eager(x, cos, sin):
-                plan = _planned(_paired_plan, sequence_dim, x, cos, sin)
-                if plan is not None:
-                    return plan(x, cos, sin)
+            out = _fused(_paired_plan, sequence_dim, x, *freqs_cis)
+            if out is not None:
+                return out
         return original(x, freqs_cis, use_real=use_real, use_real_unbind_dim=use_real_unbind_dim,
                         sequence_dim=sequence_dim)
 
@@ -206,11 +211,9 @@ def channel_rotary(original):
 
     def apply_rotary_emb(x, freqs):
         if isinstance(freqs, (tuple, list)) and len(freqs) == 2:
-            cos, sin = freqs
-            if plain_cuda_eager(x, cos, sin):
-                plan = _planned(_channel_plan, None, x, cos, sin)
-                if plan is not None:
-                    return plan(x, cos, sin)
+            out = _fused(_channel_plan, None, x, *freqs)
+            if out is not None:
+                return out
         return original(x, freqs)
 
     return apply_rotary_emb
