@@ -59,6 +59,17 @@ def stream_key(device: torch.device) -> tuple:
     return (device, current_stream(device.index) if device.type == "cuda" else 0)
 
 
+class DevicePointer(int):
+    """A device address passed where a kernel takes a pointer: Triton's launcher reads an int as the address itself
+    (no ``data_ptr()`` call, no driver query), and a TMA descriptor reads it through :meth:`data_ptr`. Only a
+    launch plan made with tensors of the same specialization may take it (:class:`LaunchPlans` raises otherwise)."""
+
+    __slots__ = ()
+
+    def data_ptr(self) -> int:
+        return int(self)
+
+
 def relaunch(kernel, grid: tuple[int, int, int], stream: int, args: tuple) -> None:
     """Launch the compiled ``kernel`` on ``grid`` and ``stream`` with ``args``: every kernel parameter in signature
     order, constexprs included (the launcher skips them). Triton's launch hooks (profilers) still run."""
@@ -66,6 +77,14 @@ def relaunch(kernel, grid: tuple[int, int, int], stream: int, args: tuple) -> No
     meta = None if enter is None else kernel.launch_metadata(grid, stream, *args)
     kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, meta, enter, knobs.runtime.launch_exit_hook,
                *args)
+
+
+def _no_addresses(kernel, args: tuple) -> None:
+    """``LookupError`` where ``args`` hold a :class:`DevicePointer` but no launch plan takes them: Triton (or its
+    interpreter) would read the address as an integer argument."""
+    if any(type(a) is DevicePointer for a in args):
+        raise LookupError(f"{kernel.__name__}: no launch plan for this key; addresses need one made with tensors "
+                          "first")
 
 
 class LaunchPlans:
@@ -85,7 +104,7 @@ class LaunchPlans:
         self._plans.clear()
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, *, plan_key: tuple | None = None,
-                 **options) -> None:
+                 device: int | None = None, **options) -> None:
         """Launch on ``grid`` (1 to 3 dims) and the current stream of ``args[0]``'s device. ``args``: the kernel's
         runtime parameters, in signature order, first a tensor; ``constexprs``: the parameters after them, by name
         in signature order (checked on a plan's first launch); ``options``: ``num_warps``, ``num_stages``, ...
@@ -94,17 +113,22 @@ class LaunchPlans:
         inspected) where the caller knows it determines that: the shapes, strides, dtypes and 16-byte alignment of
         the caller's input tensors and whatever else its int arguments derive from, every other tensor argument
         allocated by the caller in the same way for the same key (the CUDA caching allocator aligns each allocation
-        to 512 bytes, so their alignment follows from the key too)."""
+        to 512 bytes, so their alignment follows from the key too). ``device``: the CUDA device index, where
+        ``args[0]`` is a :class:`DevicePointer`; a call with one finds its plan made, or raises ``LookupError``
+        (Triton would compile the address as an integer argument)."""
         if _INTERPRETING:
+            _no_addresses(self.kernel, args)
             self.kernel[grid](*args, **constexprs, **options)
             return
-        device = args[0].device.index
+        if device is None:
+            device = args[0].device.index
         consts = tuple(constexprs.values())
         key = (device, consts, tuple(options.items()), specialization(args) if plan_key is None else plan_key)
         compiled = self._plans.get(key)
         if compiled is not None:
             relaunch(compiled, tuple(grid) + (1,) * (3 - len(grid)), current_stream(device), args + consts)
             return
+        _no_addresses(self.kernel, args)
         if list(constexprs) != self.kernel.arg_names[len(args):]:
             raise ValueError(f"{self.kernel.__name__}: constexprs {list(constexprs)} are not the parameters after the "
                              f"{len(args)} runtime ones, {self.kernel.arg_names[len(args):]}")

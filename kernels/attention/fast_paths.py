@@ -320,6 +320,70 @@ def prefill_options(cfg: AttentionConfig, device: torch.device, head_dim: int, n
     return quant_kw, options
 
 
+class Sm90Prefill:
+    """The sm90 route (:func:`attention_kernel` ``"sm90"``) of one call signature, its host work cut to two
+    allocations and three launches. The first call runs the general path (:func:`quantize_qkv`, :func:`_attend`),
+    which makes the launch plans, and keeps its :class:`~quantpatch.kernels.attention.qk_quant_triton.QuantizePlan`
+    and :class:`~quantpatch.kernels.attention.one_warpgroup_gluon.Sm90Launch`; later calls carve the quantized
+    operands from one allocation and launch with their addresses (the same kernels on the same values: the same
+    bits). Where a launch plan is gone (``LaunchPlans.clear``), the call takes the general path again."""
+
+    def __init__(self, cfg: AttentionConfig, is_causal: bool, sm_scale: float):
+        self.cfg, self.is_causal, self.sm_scale = cfg, is_causal, sm_scale
+        self.quantize = self.attend = self.lse = None
+
+    def _general(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        quant_kw, options = prefill_options(self.cfg, q.device, q.shape[-1], q.shape[2], k.shape[2],
+                                            is_causal=self.is_causal, sm_scale=self.sm_scale, return_lse=False,
+                                            out_dtype=q.dtype)
+        parts = quantize_qkv(q, k, v, **quant_kw)
+        o, self.lse = _attend(*parts, *options)
+        if ATTENTION_GLUON.unsupported(q.device) is None:  # the Gluon kernel ran: its plans are made
+            self.quantize = qk_quant_triton.QuantizePlan(q, k, v, **quant_kw)
+            self.attend = _attn_sm90.Sm90Launch(QuantizedQKV(*parts), k.shape[2],
+                                                qk_granularity=self.cfg.qk_granularity, is_causal=self.is_causal,
+                                                sm_scale=self.sm_scale, out_dtype=q.dtype)
+        return o
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``o (B, H, Nq, D)`` and an empty LSE, for inputs of this plan's signature."""
+        if self.attend is None:
+            return self._general(q, k, v), self.lse
+        plan = self.quantize
+        device = q.device
+        scratch = qk_quant_triton.stats_scratch(device, *plan.scratch_size)
+        workspace, x = plan.carve(device)  # kept to the return: freed once the launches reading it are enqueued
+        o = torch.empty(self.attend.out_shape, device=device, dtype=q.dtype)
+        try:
+            plan.launch(q, k, v, x, scratch)
+            self.attend(x, o, self.lse, device=device.index)
+        except LookupError:  # a launch plan was cleared: the general path makes it again
+            self.attend = None
+            return self._general(q, k, v), self.lse
+        return o, self.lse
+
+
+_SM90_PREFILLS: dict[tuple, Sm90Prefill | None] = {}
+SM90_PREFILL_SIGNATURES = 256  # signatures kept (dynamic shapes would add one a length); past it, all are dropped
+
+
+def _sm90_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig, is_causal: bool,
+                  sm_scale: float) -> Sm90Prefill | None:
+    """The :class:`Sm90Prefill` of this call's signature (everything the route, the checks and the launches' plans
+    follow from), or None where the call does not take the sm90 route."""
+    key = (cfg, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+           k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, is_causal, sm_scale)
+    try:
+        return _SM90_PREFILLS[key]
+    except KeyError:
+        pass
+    route = attention_kernel(cfg, q.device, q.shape[-1], q.shape[2], k.shape[2], is_causal)
+    if len(_SM90_PREFILLS) >= SM90_PREFILL_SIGNATURES:
+        _SM90_PREFILLS.clear()
+    plan = _SM90_PREFILLS[key] = Sm90Prefill(cfg, is_causal, sm_scale) if route == "sm90" else None
+    return plan
+
+
 def quantized_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -343,8 +407,13 @@ def quantized_attention(
         ``o (B, H, Nq, D)`` in ``q``'s dtype, ``lse (B, H, Nq)`` float32 (empty unless asked).
     """
     compiling = torch.compiler.is_compiling()
-    quantize = quantize_qkv_op if compiling else quantize_qkv
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not (compiling or return_lse or blocks is not None or q.device.type != "cuda" or q.stride(-1) != 1
+            or k.stride(-1) != 1 or v.stride(-1) != 1):
+        prefill = _sm90_prefill(q, k, v, cfg, is_causal, sm_scale)
+        if prefill is not None:
+            return prefill(q, k, v)
+    quantize = quantize_qkv_op if compiling else quantize_qkv
     quant_kw, options = prefill_options(cfg, q.device, q.shape[-1], q.shape[2], k.shape[2], is_causal=is_causal,
                                         sm_scale=sm_scale, return_lse=return_lse, out_dtype=q.dtype, blocks=blocks)
     parts = quantize(q, k, v, **quant_kw)

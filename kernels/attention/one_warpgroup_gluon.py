@@ -301,6 +301,80 @@ def compile_options(head_dim: int) -> dict:
     return dict(num_warps=4, maxnreg=MAXNREG[head_dim])
 
 
+def _rebased(desc: TensorDescriptor, base) -> TensorDescriptor:
+    """``desc`` over another base of its dtype and alignment (checked when ``desc`` was made, not again)."""
+    out = object.__new__(TensorDescriptor)
+    out.__dict__.update(desc.__dict__, base=base)
+    return out
+
+
+class Sm90Launch:
+    """One launch signature of :func:`attn_qk_int8_pv_fp8_sm90` (the operands' shapes, dtypes and alignment, ``nk``
+    and the options): its checks, grid, integer arguments, constexprs, TMA descriptors and launch-plan key made
+    once from operands ``x``; :meth:`__call__` launches over operands of that signature, as tensors or as
+    :class:`~quantpatch.kernels.compiled_launch.DevicePointer` s once a launch with tensors made the plan."""
+
+    def __init__(self, x: QuantizedQKV, nk: int, *, qk_granularity: str = "thread", is_causal: bool = False,
+                 sm_scale: float | None = None, return_lse: bool = False, out_dtype: torch.dtype = torch.bfloat16,
+                 block_n: int = 128, stages: int = DEFAULT_STAGES):
+        b, h, nq, d = x.q_hat.shape
+        hkv, nk_pad = x.k_hat.shape[1], x.k_hat.shape[2]
+        pv_int8 = x.v_hat_t.dtype == torch.int8
+        v_ok = x.v_scale.numel() == 1 if pv_int8 else x.v_hat_t.dtype == torch.float8_e4m3fn and x.v_scale.dim() == 3
+        if x.q_hat.dtype != torch.int8 or not v_ok:
+            raise ValueError("attn_qk_int8_pv_fp8_sm90 takes INT8 Q/K with FP8 V and per-channel V scales (sage2) or "
+                             "INT8 V and one V scale (int8-flash)")
+        if x.delta_s.numel():
+            raise ValueError("attn_qk_int8_pv_fp8_sm90 has no smooth Q (ΔS): quantize with smooth_q=False")
+        if qk_granularity not in ("thread", "token"):
+            raise ValueError(f"qk_granularity={qk_granularity!r}: the kernel reads per-thread or per-token scales")
+        if d not in HEAD_DIMS or nk_pad % block_n or h % hkv:
+            raise ValueError(f"head_dim {d} (takes {HEAD_DIMS}), Nk_pad={nk_pad} (a multiple of block_n={block_n}), "
+                             f"H={h} (a multiple of Hkv={hkv})")
+        if (x.k_hat.shape != (b, hkv, nk_pad, d) or x.v_hat_t.shape != (b, hkv, d, nk_pad)
+                or x.k_scale.shape != (b, hkv, nk_pad)
+                or not (x.k_hat.is_contiguous() and x.v_hat_t.is_contiguous() and x.k_scale.is_contiguous())):
+            raise ValueError(f"K̂ {tuple(x.k_hat.shape)}, V̂ᵀ {tuple(x.v_hat_t.shape)}, K scales "
+                             f"{tuple(x.k_scale.shape)} for Q̂ {tuple(x.q_hat.shape)}: TMA reads contiguous (B, Hkv, "
+                             "Nk_pad, D), (B, Hkv, D, Nk_pad) and (B, Hkv, Nk_pad)")
+        scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+        self.out_shape, self.out_dtype = (b, h, nq, d), out_dtype
+        self.lse_shape = (b, h, nq) if return_lse else (0,)
+        k_layout, v_layout, vec_layout = shared_layouts(d, block_n)
+        # the descriptors name the (contiguous) operands as 2-D / 1-D by shape and strides (no view made per call)
+        self.descriptors = (TensorDescriptor(x.k_hat, [b * hkv * nk_pad, d], [d, 1], [block_n, d], k_layout),
+                            TensorDescriptor(x.v_hat_t, [b * hkv * d, nk_pad], [nk_pad, 1], [d, block_n], v_layout),
+                            TensorDescriptor(x.k_scale, [b * hkv * nk_pad], [1], [block_n], vec_layout))
+        # o is contiguous (B, H, Nq, D), allocated by the caller in out_shape
+        self.ints = (h * nq * d, nq * d, d, nq, nk, nk_pad, h, h // hkv)
+        self.qk_scale = scale * LOG2E
+        self.grid = (cdiv(nq, BLOCK_M), b * h)
+        self.constexprs = dict(HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=is_causal,
+                               SMOOTH_V=x.v_mean.numel() > 0, RETURN_LSE=return_lse,
+                               TOKEN_SCALES=qk_granularity == "token", PV_INT8=pv_int8)
+        # Triton specializes a descriptor on its dtype, block shape and layout (the constexprs and these dtypes): the
+        # key is the specialization of the other arguments (o and lse are allocated by the caller; qk_scale a float)
+        tensors = (x.q_hat, x.q_scale, x.k_scale, x.v_scale, x.v_mean)
+        self.plan_key = (out_dtype, x.k_hat.dtype, x.v_hat_t.dtype, specialization(tensors + self.ints))
+        self.options = compile_options(d)
+
+    def outputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``o`` and ``lse`` of a call, empty."""
+        return (torch.empty(self.out_shape, device=device, dtype=self.out_dtype),
+                torch.empty(self.lse_shape, device=device, dtype=torch.float32))
+
+    def __call__(self, x: QuantizedQKV, o: torch.Tensor, lse: torch.Tensor, device: int | None = None) -> None:
+        """Attend over ``x`` into ``o`` and ``lse`` (of :meth:`outputs`) on the current stream; ``device``: the CUDA
+        device index where ``x`` holds addresses."""
+        k_desc, vt_desc, ks_desc = self.descriptors
+        _LAUNCH(
+            self.grid,
+            (x.q_hat, _rebased(k_desc, x.k_hat), _rebased(vt_desc, x.v_hat_t), _rebased(ks_desc, x.k_scale),
+             x.q_scale, x.k_scale, x.v_scale, x.v_mean, o, lse, *self.ints, self.qk_scale),
+            self.constexprs, plan_key=self.plan_key, device=device, **self.options,
+        )
+
+
 def attn_qk_int8_pv_fp8_sm90(
     x: QuantizedQKV,
     nk: int,
@@ -324,45 +398,8 @@ def attn_qk_int8_pv_fp8_sm90(
     ``stages``: depth of the K and Vᵀ rings; the ptxas register cap (more programs an SM): :func:`compile_options`.
     Returns ``o (B, H, Nq, D)`` in ``out_dtype`` and ``lse (B, H, Nq)`` float32 (natural log; empty unless asked).
     """
-    b, h, nq, d = x.q_hat.shape
-    hkv, nk_pad = x.k_hat.shape[1], x.k_hat.shape[2]
-    pv_int8 = x.v_hat_t.dtype == torch.int8
-    v_ok = x.v_scale.numel() == 1 if pv_int8 else x.v_hat_t.dtype == torch.float8_e4m3fn and x.v_scale.dim() == 3
-    if x.q_hat.dtype != torch.int8 or not v_ok:
-        raise ValueError("attn_qk_int8_pv_fp8_sm90 takes INT8 Q/K with FP8 V and per-channel V scales (sage2) or "
-                         "INT8 V and one V scale (int8-flash)")
-    if x.delta_s.numel():
-        raise ValueError("attn_qk_int8_pv_fp8_sm90 has no smooth Q (ΔS): quantize with smooth_q=False")
-    if qk_granularity not in ("thread", "token"):
-        raise ValueError(f"qk_granularity={qk_granularity!r}: the kernel reads per-thread or per-token scales")
-    if d not in HEAD_DIMS or nk_pad % block_n or h % hkv:
-        raise ValueError(f"head_dim {d} (takes {HEAD_DIMS}), Nk_pad={nk_pad} (a multiple of block_n={block_n}), "
-                         f"H={h} (a multiple of Hkv={hkv})")
-    if (x.k_hat.shape != (b, hkv, nk_pad, d) or x.v_hat_t.shape != (b, hkv, d, nk_pad)
-            or x.k_scale.shape != (b, hkv, nk_pad)
-            or not (x.k_hat.is_contiguous() and x.v_hat_t.is_contiguous() and x.k_scale.is_contiguous())):
-        raise ValueError(f"K̂ {tuple(x.k_hat.shape)}, V̂ᵀ {tuple(x.v_hat_t.shape)}, K scales {tuple(x.k_scale.shape)} "
-                         f"for Q̂ {tuple(x.q_hat.shape)}: TMA reads contiguous (B, Hkv, Nk_pad, D), (B, Hkv, D, Nk_pad) "
-                         "and (B, Hkv, Nk_pad)")
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    o = torch.empty((b, h, nq, d), device=x.q_hat.device, dtype=out_dtype)
-    lse = torch.empty((b, h, nq) if return_lse else (0,), device=o.device, dtype=torch.float32)
-    k_layout, v_layout, vec_layout = shared_layouts(d, block_n)
-    # the descriptors name the (contiguous) operands as 2-D / 1-D by shape and strides (no view made per call)
-    k_desc = TensorDescriptor(x.k_hat, [b * hkv * nk_pad, d], [d, 1], [block_n, d], k_layout)
-    vt_desc = TensorDescriptor(x.v_hat_t, [b * hkv * d, nk_pad], [nk_pad, 1], [d, block_n], v_layout)
-    ks_desc = TensorDescriptor(x.k_scale, [b * hkv * nk_pad], [1], [block_n], vec_layout)
-    ints = (o.stride(0), o.stride(1), o.stride(2), nq, nk, nk_pad, h, h // hkv)
-    tensors = (x.q_hat, x.q_scale, x.k_scale, x.v_scale, x.v_mean)
-    # Triton specializes a descriptor on its dtype, block shape and layout (the constexprs and these dtypes): the
-    # key is the specialization of the other arguments (o and lse are allocated here; qk_scale is a float)
-    _LAUNCH(
-        (cdiv(nq, BLOCK_M), b * h),
-        (x.q_hat, k_desc, vt_desc, ks_desc, x.q_scale, x.k_scale, x.v_scale, x.v_mean, o, lse, *ints,
-         scale * LOG2E),
-        dict(HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=is_causal, SMOOTH_V=x.v_mean.numel() > 0,
-             RETURN_LSE=return_lse, TOKEN_SCALES=qk_granularity == "token", PV_INT8=pv_int8),
-        plan_key=(out_dtype, x.k_hat.dtype, x.v_hat_t.dtype, specialization(tensors + ints)),
-        **compile_options(d),
-    )
+    launch = Sm90Launch(x, nk, qk_granularity=qk_granularity, is_causal=is_causal, sm_scale=sm_scale,
+                        return_lse=return_lse, out_dtype=out_dtype, block_n=block_n, stages=stages)
+    o, lse = launch.outputs(x.q_hat.device)
+    launch(x, o, lse)
     return o, lse

@@ -45,13 +45,14 @@ up to the attention kernel's key block so its loads need no masks.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ..compiled_launch import LaunchPlans, cdiv, interpreting, stream_key
+from ..compiled_launch import DevicePointer, LaunchPlans, cdiv, interpreting, stream_key
 from ..quant_ref import FP8_MAX, cast_fp8, quantize_symmetric, quantize_tokens, symmetric_scale, token_absmax
 from ..rounding_triton import _div_by, _rne, _to_fp8e4m3
 
@@ -572,7 +573,7 @@ class _StatsScratch(NamedTuple):
 _STATS_SCRATCH: dict[tuple, _StatsScratch] = {}  # stream_key → the scratch of launches on that stream
 
 
-def _stats_scratch(device: torch.device, part: int, heads: int) -> _StatsScratch:
+def stats_scratch(device: torch.device, part: int, heads: int) -> _StatsScratch:
     """Launch 1's scratch for the current stream, at least ``part`` floats a partial row and ``heads`` tickets: made
     once and kept (launches on one stream run one after the other; each head's finalizing program resets its ticket),
     grown when a call needs more. While a CUDA graph captures, a fresh one (from the graph's pool), never kept."""
@@ -585,6 +586,104 @@ def _stats_scratch(device: torch.device, part: int, heads: int) -> _StatsScratch
             part, heads = max(part, scratch.ksum.numel()), max(heads, scratch.tickets.numel())
         scratch = _STATS_SCRATCH[key] = _StatsScratch.new(device, part, heads)
     return scratch
+
+
+class QuantizePlan:
+    """:func:`quantize_qkv` for one call signature: the inputs' shapes, strides, dtype and options checked, the
+    launches' recipe and the outputs' layout made once; :meth:`launch` fills given outputs (tensors, or the
+    :class:`~quantpatch.kernels.compiled_launch.DevicePointer` s of :meth:`carve`, where the launch plans exist)."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_format: str = "int8",
+                 qk_granularity: str = "thread", qk_qmax: int = 127, smooth_q: bool = True, smooth_k: bool = True,
+                 smooth_v: bool = False, pv_format: str = "fp8_e4m3", pv_qmax: int = 127,
+                 v_granularity: str = "channel", block_q: int = 128, block_k: int = 64, warps: int = 4,
+                 pad_to: int = 128, v_key_order: bool = False, is_causal: bool = False):
+        _check_inputs(q, k, v)
+        b, h, nq, d = q.shape
+        hkv, nk = k.shape[1], k.shape[2]
+        r = self.recipe = _recipe(d, q.dtype, qk_format, qk_granularity, qk_qmax, smooth_q, smooth_k, smooth_v,
+                                  pv_format, pv_qmax, v_granularity, block_q, block_k, warps, pad_to, v_key_order,
+                                  is_causal)
+        self.smooth_q, self.block_q, self.pad_to = smooth_q, block_q, pad_to
+        nk_pad = cdiv(nk, pad_to) * pad_to
+        nqb = cdiv(nq, block_q)
+        nkb = nk_pad // block_k
+        f32 = torch.float32
+        v_scale = (b, hkv, d) if r.v_mode == V_CHANNEL else (b, hkv, nkb) if r.v_mode == V_BLOCK else (1,)
+        # QuantizedQKV's fields in order: (shape, dtype), shape (0,) where a field is unused
+        self.layout = QuantizedQKV(
+            ((b, h, nq, d), r.qk_dtype), ((b, h, nq), f32), ((b, h, nqb, d) if smooth_q else (0,), f32),
+            ((b, hkv, nk_pad, d), r.qk_dtype), ((b, hkv, nk_pad), f32), ((b, hkv, d) if smooth_k else (0,), f32),
+            ((b, h, nqb, nk_pad) if smooth_q else (0,), f32), ((b, hkv, d, nk_pad), r.v_dtype), (v_scale, f32),
+            ((b, hkv, d) if smooth_v else (0,), f32))
+        self.offsets, self.nbytes = [], 0
+        for shape, dtype in self.layout:  # each field 256-byte aligned, as an allocation of its own is
+            self.offsets.append(self.nbytes)
+            self.nbytes += cdiv(math.prod(shape) * dtype.itemsize, 256) * 256
+        nchunk = cdiv(nk, STATS_TILE * STATS_TILES)
+        self.scratch_size = (b * hkv * nchunk * d, b * hkv)
+        # what the launches' specialization follows from (LaunchPlans' plan_key): every int argument derives from
+        # the inputs' shapes and strides, pad_to and the constexprs; every other pointer is an output, 256-byte
+        # aligned, or a row of the scratch, 128-byte aligned
+        self.plan_key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), q.dtype, pad_to,
+                         q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0)
+
+    def allocate(self, device: torch.device) -> QuantizedQKV:
+        """Outputs as tensors of their own (the custom op's outputs may not alias one another, empty ones included)."""
+        return QuantizedQKV(*(torch.empty(shape, device=device, dtype=dtype) for shape, dtype in self.layout))
+
+    def carve(self, device: torch.device) -> tuple[torch.Tensor, QuantizedQKV]:
+        """Outputs as addresses in one allocation (``uint8``, returned: it must live until the launches that read
+        the outputs are enqueued)."""
+        workspace = torch.empty(self.nbytes, device=device, dtype=torch.uint8)
+        base = workspace.data_ptr()
+        return workspace, QuantizedQKV(*[DevicePointer(base + off) for off in self.offsets])
+
+    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: QuantizedQKV,
+               scratch: _StatsScratch) -> None:
+        """The two or three launches into ``x``, on the current stream (inputs of this plan's signature)."""
+        r = self.recipe
+        b, h, nq, d = q.shape
+        hkv, nk = k.shape[1], k.shape[2]
+        nk_pad = cdiv(nk, self.pad_to) * self.pad_to
+        nqb = cdiv(nq, self.block_q)
+        nkb = nk_pad // r.kv_constexprs["BLOCK"]
+        vabs = torch.zeros(1, device=q.device, dtype=torch.float32) if r.need_vabs else scratch.empty
+
+        # launch 1: Q (block mean, smoothing, grouped quantization) beside the K/V statistics; each kv head's
+        # last statistics program reduces its partials into K̄, V̄ and the per-channel V scale
+        nchunk = cdiv(nk, STATS_TILE * STATS_TILES)
+        stats_programs = nchunk * b * hkv if r.need_stats else 0
+        _STATS_LAUNCH(
+            (stats_programs + nqb * b * h,),
+            (q, x.q_hat, x.q_scale, x.q_mean,
+             k, v, scratch.ksum, scratch.vsum, scratch.vmax, scratch.vmin, vabs, scratch.tickets, x.k_mean, x.v_mean,
+             x.v_scale, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+             v.stride(0), v.stride(1), v.stride(2),
+             nq, h, nqb, stats_programs, nk, hkv, nchunk, float(nk)),
+            r.stats_constexprs, plan_key=self.plan_key, num_warps=Q_STATS_WARPS,
+        )
+
+        # launch 2: ΔS_raw = q̄ · Kᵀ on the raw K (needs q̄ only)
+        if self.smooth_q:
+            short = interpreting() or nqb <= DS_TUNING["short_nqb"]
+            qb_tile = DS_TUNING["qb_tile_short"] if short else DS_TUNING["qb_tile"]
+            _DELTA_S_LAUNCH(
+                (cdiv(nk_pad, _delta_s_tile(self.pad_to)), b * hkv),
+                (k, x.q_mean, x.delta_s, k.stride(0), k.stride(1), k.stride(2), nk, nk_pad, hkv, h // hkv, nqb,
+                 nk - nq),
+                r.delta_s_constexprs[qb_tile], plan_key=self.plan_key, num_warps=DS_TUNING["num_warps"],
+                num_stages=DS_TUNING["num_stages"],
+            )
+
+        # launch 3: K and V (needs the statistics of launch 1)
+        _KV_LAUNCH(
+            (nkb, b * hkv),
+            (k, v, x.k_hat, x.k_scale, x.k_mean, x.v_hat_t, x.v_scale, x.v_mean, vabs,
+             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+             nk, nk_pad, hkv, nkb),
+            r.kv_constexprs, plan_key=self.plan_key, num_warps=4,
+        )
 
 
 def quantize_qkv(
@@ -622,67 +721,14 @@ def quantize_qkv(
     _check_inputs(q, k, v)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    b, h, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
-    r = _recipe(d, q.dtype, qk_format, qk_granularity, qk_qmax, smooth_q, smooth_k, smooth_v, pv_format, pv_qmax,
-                v_granularity, block_q, block_k, warps, pad_to, v_key_order, is_causal)
-    dev = q.device
-    f32 = dict(device=dev, dtype=torch.float32)
-    nk_pad = cdiv(nk, pad_to) * pad_to
-    nqb = cdiv(nq, block_q)
-    nkb = nk_pad // block_k
-    # what the three launches' specialization follows from (LaunchPlans' plan_key): every int argument derives from
-    # the inputs' shapes and strides, pad_to and the constexprs; every other tensor is allocated here (or is a row of
-    # the scratch, 128-byte aligned)
-    plan_key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), q.dtype, pad_to, q.data_ptr() % 16 == 0,
-                k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0)
-
-    # launch 1: Q (block mean, smoothing, grouped quantization) beside the K/V statistics; each kv head's
-    # last statistics program reduces its partials into K̄, V̄ and the per-channel V scale
-    nchunk = cdiv(nk, STATS_TILE * STATS_TILES)
-    scratch = _stats_scratch(dev, b * hkv * nchunk * d, b * hkv)
-    q_hat = torch.empty((b, h, nq, d), device=dev, dtype=r.qk_dtype)
-    q_scale = torch.empty((b, h, nq), **f32)
-    q_mean = torch.empty((b, h, nqb, d) if smooth_q else 0, **f32)
-    vabs = torch.zeros(1, **f32) if r.need_vabs else scratch.empty
-    k_mean = torch.empty((b, hkv, d) if smooth_k else 0, **f32)
-    v_mean = torch.empty((b, hkv, d) if smooth_v else 0, **f32)
-    v_scale = torch.empty((b, hkv, d) if r.v_mode == V_CHANNEL else (b, hkv, nkb) if r.v_mode == V_BLOCK else 1, **f32)
-    stats_programs = nchunk * b * hkv if r.need_stats else 0
-    _STATS_LAUNCH(
-        (stats_programs + nqb * b * h,),
-        (q, q_hat, q_scale, q_mean,
-         k, v, scratch.ksum, scratch.vsum, scratch.vmax, scratch.vmin, vabs, scratch.tickets, k_mean, v_mean, v_scale,
-         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-         v.stride(0), v.stride(1), v.stride(2),
-         nq, h, nqb, stats_programs, nk, hkv, nchunk, float(nk)),
-        r.stats_constexprs, plan_key=plan_key, num_warps=Q_STATS_WARPS,
-    )
-
-    # launch 2: ΔS_raw = q̄ · Kᵀ on the raw K (needs q̄ only)
-    delta_s = torch.empty((b, h, nqb, nk_pad) if smooth_q else 0, **f32)
-    if smooth_q:
-        short = interpreting() or nqb <= DS_TUNING["short_nqb"]
-        qb_tile = DS_TUNING["qb_tile_short"] if short else DS_TUNING["qb_tile"]
-        _DELTA_S_LAUNCH(
-            (cdiv(nk_pad, _delta_s_tile(pad_to)), b * hkv),
-            (k, q_mean, delta_s, k.stride(0), k.stride(1), k.stride(2), nk, nk_pad, hkv, h // hkv, nqb, nk - nq),
-            r.delta_s_constexprs[qb_tile], plan_key=plan_key, num_warps=DS_TUNING["num_warps"],
-            num_stages=DS_TUNING["num_stages"],
-        )
-
-    # launch 3: K and V (needs the statistics of launch 1)
-    k_hat = torch.empty((b, hkv, nk_pad, d), device=dev, dtype=r.qk_dtype)
-    k_scale = torch.empty((b, hkv, nk_pad), **f32)
-    v_hat_t = torch.empty((b, hkv, d, nk_pad), device=dev, dtype=r.v_dtype)
-    _KV_LAUNCH(
-        (nkb, b * hkv),
-        (k, v, k_hat, k_scale, k_mean, v_hat_t, v_scale, v_mean, vabs,
-         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-         nk, nk_pad, hkv, nkb),
-        r.kv_constexprs, plan_key=plan_key, num_warps=4,
-    )
-    return QuantizedQKV(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean)
+    plan = QuantizePlan(q, k, v, qk_format=qk_format, qk_granularity=qk_granularity, qk_qmax=qk_qmax,
+                        smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v, pv_format=pv_format, pv_qmax=pv_qmax,
+                        v_granularity=v_granularity, block_q=block_q, block_k=block_k, warps=warps, pad_to=pad_to,
+                        v_key_order=v_key_order, is_causal=is_causal)
+    scratch = stats_scratch(q.device, *plan.scratch_size)
+    x = plan.allocate(q.device)
+    plan.launch(q, k, v, x, scratch)
+    return x
 
 
 # --------------------------------------------------------------------------- reference

@@ -463,3 +463,26 @@ def test_gpu_attention_on_two_streams_at_once():
     torch.cuda.synchronize()
     for i in range(2):
         assert all(torch.equal(o, want[i]) for o in outs[i])
+
+
+@pytest.mark.parametrize("mode", ["sage2-8b", "sage2-4b", "int8-flash"])
+def test_quantize_plan_carves_every_output_apart(mode):
+    """``QuantizePlan.carve`` puts each output of ``quantize_qkv`` at its own 256-byte aligned offset of one
+    allocation, each with room for its bytes and none overlapping the next; ``allocate`` makes tensors of the layout
+    ``quantize_qkv`` returns."""
+    from quantpatch.kernels.attention import fast_paths
+    from quantpatch.kernels.attention.qk_quant_triton import QuantizePlan, quantize_qkv
+
+    q, k, v = attention_inputs("outliers", batch=2, heads=4, kv_heads=2, seq_q=300, seq_k=333, head_dim=64,
+                               dtype=torch.bfloat16, seed=3)
+    options = fast_paths.quant_options(get_mode(mode).attention)
+    plan = QuantizePlan(q, k, v, **options)
+    workspace, x = plan.carve(q.device)
+    base = workspace.data_ptr()
+    assert workspace.numel() == plan.nbytes and workspace.dtype == torch.uint8
+    ends = [a - base for a in x[1:]] + [plan.nbytes]
+    for address, end, (shape, dtype) in zip(x, ends, plan.layout):
+        assert (address - base) % 256 == 0 and address - base + math.prod(shape) * dtype.itemsize <= end
+    made = quantize_qkv(q, k, v, **options)
+    assert [(tuple(t.shape), t.dtype) for t in made] == [(tuple(s), d) for s, d in plan.layout]
+    assert [(tuple(t.shape), t.dtype) for t in plan.allocate(q.device)] == [(tuple(s), d) for s, d in plan.layout]

@@ -9,6 +9,8 @@ float64's as the Triton kernel's, within NOISE_FACTOR and LSE_ATOL. GPU only (Gl
 the launcher's checks run everywhere.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -187,3 +189,84 @@ def test_sm90_plan_key_determines_the_specialization(monkeypatch):
         assert desc.base.data_ptr() == ref.base.data_ptr() and desc.base.dtype == ref.base.dtype
         assert (list(desc.shape), list(desc.strides), list(desc.block_shape), desc.layout) == (
             list(ref.shape), list(ref.strides), list(ref.block_shape), ref.layout)
+
+
+def _general_path(q, k, v, cfg, causal):
+    """The output of the general sm90 path (``quantize_qkv`` then ``_attend``, tensors of their own)."""
+    from quantpatch.kernels.attention import fast_paths
+
+    quant_kw, options = fast_paths.prefill_options(cfg, q.device, q.shape[-1], q.shape[2], k.shape[2],
+                                                   is_causal=causal, sm_scale=1.0 / math.sqrt(q.shape[-1]),
+                                                   return_lse=False, out_dtype=q.dtype)
+    assert options[14] == "sm90"  # the route under test
+    return fast_paths._attend(*fast_paths.quantize_qkv(q, k, v, **quant_kw), *options)[0]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@hopper
+@pytest.mark.parametrize("mode, head_dim, causal, nq, nk", [
+    ("sage2-8b", 128, False, 1000, 1100), ("sage2-8b", 64, False, 203, 4100), ("sage2-8b", 128, True, 239, 4096),
+    ("int8-flash", 128, False, 1000, 1100), ("int8-flash", 64, True, 4097, 4097)])
+def test_gpu_sm90_prefill_plan_gives_the_general_paths_bits(mode, head_dim, causal, nq, nk):
+    """``quantized_attention``'s later calls of one signature (``Sm90Prefill``: the quantized operands carved from one
+    allocation and launched by address) give the general path's output bit for bit on new input contents; after the
+    launch plans are cleared, a call takes the general path again and gives the same bits."""
+    import quantpatch as qp
+    from quantpatch.kernels.attention import fast_paths
+
+    cfg = qp.get_mode(mode).attention
+
+    def inputs(seed):
+        q, k, v = attention_inputs("outliers", batch=2, heads=4, kv_heads=2, seq_q=nq, seq_k=nk, head_dim=head_dim,
+                                   seed=seed)
+        return [t.to("cuda", torch.bfloat16) for t in (q, k, v)]
+
+    def call(q, k, v):
+        return fast_paths.quantized_attention(q, k, v, cfg, is_causal=causal)[0]
+
+    sets = [inputs(seed) for seed in range(4)]
+    first = call(*sets[0])
+    plan = fast_paths._sm90_prefill(*sets[0], cfg, causal, 1.0 / math.sqrt(head_dim))
+    assert plan is not None and plan.attend is not None
+    later = [call(*s) for s in sets[1:3]]
+    for p in fast_paths.PREFILL_PLANS:
+        p.clear()
+    after_clear = call(*sets[3])
+    assert plan.attend is not None  # made again by the general path
+    for out, s in zip([first, *later, after_clear], sets):
+        assert torch.equal(out, _general_path(*s, cfg, causal))
+    assert not torch.equal(later[0], later[1])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@hopper
+def test_gpu_sm90_prefill_plan_replays_in_a_cuda_graph():
+    """The plan's workspace comes from the graph's pool while a CUDA graph captures: replays follow the captured
+    inputs' new contents, bit for bit against eager calls between them."""
+    import quantpatch as qp
+    from quantpatch.kernels.attention import fast_paths
+
+    cfg = qp.get_mode("sage2-8b").attention
+
+    def inputs(seed):
+        q, k, v = attention_inputs("outliers", batch=1, heads=4, seq_q=2000, head_dim=128, seed=seed)
+        return [t.to("cuda", torch.bfloat16) for t in (q, k, v)]
+
+    def call(q, k, v):
+        return fast_paths.quantized_attention(q, k, v, cfg)[0]
+
+    static, fresh = [t.clone() for t in inputs(5)], inputs(6)
+    before = call(*static)
+    assert call(*static).equal(before)  # the plan's path, eager
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call(*static)
+    graph.replay()
+    assert torch.equal(captured, before)
+    for t, new in zip(static, fresh):
+        t.copy_(new)
+    graph.replay()
+    eager = call(*fresh)
+    assert torch.equal(captured, eager) and not torch.equal(eager, before)

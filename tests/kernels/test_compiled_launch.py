@@ -100,3 +100,28 @@ def test_a_plan_key_stands_in_for_the_arguments_specialization(monkeypatch):
     plans((2,), (x, 48), dict(BLOCK=16, FLAG=True), plan_key=("shape", 48), num_warps=4)  # another key: compiled
     plans((2,), (x, 32), dict(BLOCK=32, FLAG=True), plan_key=("shape", 32), num_warps=4)  # other constexprs too
     assert len(plans) == 3 and len(kernel.runs) == 3
+
+
+@pytest.mark.parametrize("interpreting", [False, True])
+def test_addresses_need_a_plan_made_with_tensors(monkeypatch, interpreting):
+    """A launch with a ``DevicePointer`` relaunches a plan made with tensors under the same key, and raises
+    ``LookupError`` where there is none (Triton would compile the address as an integer), interpreter or not."""
+    from quantpatch.kernels import compiled_launch
+    from quantpatch.kernels.compiled_launch import DevicePointer
+
+    monkeypatch.setattr(compiled_launch, "_INTERPRETING", interpreting)
+    relaunched = []
+    monkeypatch.setattr(compiled_launch, "relaunch", lambda k, grid, stream, args: relaunched.append(args))
+    monkeypatch.setattr(compiled_launch, "current_stream", lambda device: 7)
+    kernel = _RecordingKernel()
+    plans = compiled_launch.LaunchPlans(kernel)
+    address = DevicePointer(4096)
+    assert address == 4096 and address.data_ptr() == 4096
+    with pytest.raises(LookupError, match="no launch plan"):
+        plans((1,), (address, 3), dict(BLOCK=16, FLAG=False), plan_key=("k",), device=0)
+    assert kernel.runs == []
+    if interpreting:
+        return
+    plans((1,), (torch.zeros(4), 3), dict(BLOCK=16, FLAG=False), plan_key=("k",), device=0)
+    plans((1,), (address, 3), dict(BLOCK=16, FLAG=False), plan_key=("k",), device=0)
+    assert len(kernel.runs) == 1 and relaunched == [(address, 3, 16, False)]
