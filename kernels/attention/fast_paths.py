@@ -321,8 +321,8 @@ def prefill_options(cfg: AttentionConfig, device: torch.device, head_dim: int, n
 
 
 class Sm90Prefill:
-    """The sm90 route (:func:`attention_kernel` ``"sm90"``) of one call signature, its host work cut to two
-    allocations and three launches. The first call runs the general path (:func:`quantize_qkv`, :func:`_attend`),
+    """The sm90 route (:func:`attention_kernel` ``"sm90"``) of one call signature, its host work cut to the
+    outputs' allocations and the launches. The first call runs the general path (:func:`quantize_qkv`, :func:`_attend`),
     which makes the launch plans, and keeps its :class:`~quantpatch.kernels.attention.qk_quant_triton.QuantizePlan`
     and :class:`~quantpatch.kernels.attention.one_warpgroup_gluon.Sm90Launch`; later calls carve the quantized
     operands from one allocation and launch with their addresses (the same kernels on the same values: the same

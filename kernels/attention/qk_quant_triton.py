@@ -604,7 +604,7 @@ class QuantizePlan:
         r = self.recipe = _recipe(d, q.dtype, qk_format, qk_granularity, qk_qmax, smooth_q, smooth_k, smooth_v,
                                   pv_format, pv_qmax, v_granularity, block_q, block_k, warps, pad_to, v_key_order,
                                   is_causal)
-        self.smooth_q, self.block_q, self.pad_to = smooth_q, block_q, pad_to
+        self.smooth_q = smooth_q
         nk_pad = cdiv(nk, pad_to) * pad_to
         nqb = cdiv(nq, block_q)
         nkb = nk_pad // block_k
@@ -622,6 +622,17 @@ class QuantizePlan:
             self.nbytes += cdiv(math.prod(shape) * dtype.itemsize, 256) * 256
         nchunk = cdiv(nk, STATS_TILE * STATS_TILES)
         self.scratch_size = (b * hkv * nchunk * d, b * hkv)
+        # the launches' grids and integer arguments (the inputs' strides are this signature's)
+        kv_strides = k.stride()[:3] + v.stride()[:3]
+        stats_programs = nchunk * b * hkv if r.need_stats else 0
+        self.stats_grid = (stats_programs + nqb * b * h,)
+        self.stats_ints = q.stride()[:3] + kv_strides + (nq, h, nqb, stats_programs, nk, hkv, nchunk, float(nk))
+        short = interpreting() or nqb <= DS_TUNING["short_nqb"]
+        self.delta_s_constexprs = r.delta_s_constexprs[DS_TUNING["qb_tile_short"] if short else DS_TUNING["qb_tile"]]
+        self.delta_s_grid = (cdiv(nk_pad, _delta_s_tile(pad_to)), b * hkv)
+        self.delta_s_ints = k.stride()[:3] + (nk, nk_pad, hkv, h // hkv, nqb, nk - nq)
+        self.kv_grid = (nkb, b * hkv)
+        self.kv_ints = kv_strides + (nk, nk_pad, hkv, nkb)
         # what the launches' specialization follows from (LaunchPlans' plan_key): every int argument derives from
         # the inputs' shapes and strides, pad_to and the constexprs; every other pointer is an output, 256-byte
         # aligned, or a row of the scratch, 128-byte aligned
@@ -643,47 +654,21 @@ class QuantizePlan:
                scratch: _StatsScratch) -> None:
         """The two or three launches into ``x``, on the current stream (inputs of this plan's signature)."""
         r = self.recipe
-        b, h, nq, d = q.shape
-        hkv, nk = k.shape[1], k.shape[2]
-        nk_pad = cdiv(nk, self.pad_to) * self.pad_to
-        nqb = cdiv(nq, self.block_q)
-        nkb = nk_pad // r.kv_constexprs["BLOCK"]
         vabs = torch.zeros(1, device=q.device, dtype=torch.float32) if r.need_vabs else scratch.empty
-
         # launch 1: Q (block mean, smoothing, grouped quantization) beside the K/V statistics; each kv head's
         # last statistics program reduces its partials into K̄, V̄ and the per-channel V scale
-        nchunk = cdiv(nk, STATS_TILE * STATS_TILES)
-        stats_programs = nchunk * b * hkv if r.need_stats else 0
-        _STATS_LAUNCH(
-            (stats_programs + nqb * b * h,),
-            (q, x.q_hat, x.q_scale, x.q_mean,
-             k, v, scratch.ksum, scratch.vsum, scratch.vmax, scratch.vmin, vabs, scratch.tickets, x.k_mean, x.v_mean,
-             x.v_scale, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-             v.stride(0), v.stride(1), v.stride(2),
-             nq, h, nqb, stats_programs, nk, hkv, nchunk, float(nk)),
-            r.stats_constexprs, plan_key=self.plan_key, num_warps=Q_STATS_WARPS,
-        )
-
+        _STATS_LAUNCH(self.stats_grid,
+                      (q, x.q_hat, x.q_scale, x.q_mean, k, v, scratch.ksum, scratch.vsum, scratch.vmax, scratch.vmin,
+                       vabs, scratch.tickets, x.k_mean, x.v_mean, x.v_scale) + self.stats_ints,
+                      r.stats_constexprs, plan_key=self.plan_key, num_warps=Q_STATS_WARPS)
         # launch 2: ΔS_raw = q̄ · Kᵀ on the raw K (needs q̄ only)
         if self.smooth_q:
-            short = interpreting() or nqb <= DS_TUNING["short_nqb"]
-            qb_tile = DS_TUNING["qb_tile_short"] if short else DS_TUNING["qb_tile"]
-            _DELTA_S_LAUNCH(
-                (cdiv(nk_pad, _delta_s_tile(self.pad_to)), b * hkv),
-                (k, x.q_mean, x.delta_s, k.stride(0), k.stride(1), k.stride(2), nk, nk_pad, hkv, h // hkv, nqb,
-                 nk - nq),
-                r.delta_s_constexprs[qb_tile], plan_key=self.plan_key, num_warps=DS_TUNING["num_warps"],
-                num_stages=DS_TUNING["num_stages"],
-            )
-
+            _DELTA_S_LAUNCH(self.delta_s_grid, (k, x.q_mean, x.delta_s) + self.delta_s_ints, self.delta_s_constexprs,
+                            plan_key=self.plan_key, num_warps=DS_TUNING["num_warps"],
+                            num_stages=DS_TUNING["num_stages"])
         # launch 3: K and V (needs the statistics of launch 1)
-        _KV_LAUNCH(
-            (nkb, b * hkv),
-            (k, v, x.k_hat, x.k_scale, x.k_mean, x.v_hat_t, x.v_scale, x.v_mean, vabs,
-             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-             nk, nk_pad, hkv, nkb),
-            r.kv_constexprs, plan_key=self.plan_key, num_warps=4,
-        )
+        _KV_LAUNCH(self.kv_grid, (k, v, x.k_hat, x.k_scale, x.k_mean, x.v_hat_t, x.v_scale, x.v_mean, vabs)
+                   + self.kv_ints, r.kv_constexprs, plan_key=self.plan_key, num_warps=4)
 
 
 def quantize_qkv(
