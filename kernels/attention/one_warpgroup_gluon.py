@@ -341,10 +341,12 @@ class Sm90Launch:
         self.out_shape, self.out_dtype = (b, h, nq, d), out_dtype
         self.lse_shape = (b, h, nq) if return_lse else (0,)
         k_layout, v_layout, vec_layout = shared_layouts(d, block_n)
-        # the descriptors name the (contiguous) operands as 2-D / 1-D by shape and strides (no view made per call)
-        self.descriptors = (TensorDescriptor(x.k_hat, [b * hkv * nk_pad, d], [d, 1], [block_n, d], k_layout),
-                            TensorDescriptor(x.v_hat_t, [b * hkv * d, nk_pad], [nk_pad, 1], [d, block_n], v_layout),
-                            TensorDescriptor(x.k_scale, [b * hkv * nk_pad], [1], [block_n], vec_layout))
+        # the descriptors name the (contiguous) operands as 2-D / 1-D by shape and strides (no view made per call),
+        # checked on x's operands, then kept without a base: a kept launch holds no operand alive
+        self.descriptors = tuple(_rebased(desc, None) for desc in (
+            TensorDescriptor(x.k_hat, [b * hkv * nk_pad, d], [d, 1], [block_n, d], k_layout),
+            TensorDescriptor(x.v_hat_t, [b * hkv * d, nk_pad], [nk_pad, 1], [d, block_n], v_layout),
+            TensorDescriptor(x.k_scale, [b * hkv * nk_pad], [1], [block_n], vec_layout)))
         # o is contiguous (B, H, Nq, D), allocated by the caller in out_shape
         self.ints = (h * nq * d, nq * d, d, nq, nk, nk_pad, h, h // hkv)
         self.qk_scale = scale * LOG2E

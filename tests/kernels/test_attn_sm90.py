@@ -270,3 +270,27 @@ def test_gpu_sm90_prefill_plan_replays_in_a_cuda_graph():
     graph.replay()
     eager = call(*fresh)
     assert torch.equal(captured, eager) and not torch.equal(eager, before)
+
+
+def test_a_kept_sm90_launch_holds_no_operand(monkeypatch):
+    """``Sm90Launch`` (kept per call signature by the sm90 plan) checks its TMA descriptors on the first call's
+    operands but keeps them without a base, so the quantized K̂, V̂ᵀ and K scales of that call are freed with it;
+    each launch names the operands it is given."""
+    import gc
+    import weakref
+
+    from quantpatch.kernels.attention import one_warpgroup_gluon as sm90
+
+    x = _launch_operands(b=2, h=4, hkv=2, nk_pad=256)
+    launch = sm90.Sm90Launch(x, 200)
+    assert all(desc.base is None for desc in launch.descriptors)
+    alive = [weakref.ref(t) for t in (x.k_hat, x.v_hat_t, x.k_scale)]
+    del x
+    gc.collect()
+    assert all(ref() is None for ref in alive)
+    calls = []
+    monkeypatch.setattr(sm90, "_LAUNCH", lambda grid, args, constexprs, **options: calls.append(args))
+    y = _launch_operands(b=2, h=4, hkv=2, nk_pad=256)
+    launch(y, *launch.outputs(torch.device("cpu")))
+    assert all(desc.base is t for desc, t in zip(calls[0][1:4], (y.k_hat, y.v_hat_t, y.k_scale)))
+    assert all(desc.base is None for desc in launch.descriptors)
