@@ -294,3 +294,63 @@ def test_a_kept_sm90_launch_holds_no_operand(monkeypatch):
     launch(y, *launch.outputs(torch.device("cpu")))
     assert all(desc.base is t for desc, t in zip(calls[0][1:4], (y.k_hat, y.v_hat_t, y.k_scale)))
     assert all(desc.base is None for desc in launch.descriptors)
+
+
+def test_sm90_prefill_plans_by_signature_and_rebuild_a_lost_launch_plan(monkeypatch):
+    """``_sm90_prefill`` keeps one ``Sm90Prefill`` per call signature (shapes, strides, dtypes, devices, 16-byte
+    alignment, causal, scale) and None where the route is not sm90; a plan's first call takes the general path, later
+    ones carve and launch by address, and a call whose launch plan is gone (``LookupError``) takes the general path
+    again. The launches are stubbed (CPU)."""
+    import quantpatch as qp
+    from quantpatch.kernels.attention import fast_paths
+
+    cfg = qp.get_mode("sage2-8b").attention
+    q, k, v = (torch.randn(1, 2, 300, 128, dtype=torch.bfloat16) for _ in range(3))
+    route = {"kernel": "sm90"}
+    monkeypatch.setattr(fast_paths, "attention_kernel", lambda *args: route["kernel"])
+    monkeypatch.setattr(fast_paths, "_SM90_PREFILLS", {})
+    events = []
+
+    class Quantize:
+        scratch_size = (4, 1)
+        lost = False
+
+        def carve(self, device):
+            return torch.empty(8, dtype=torch.uint8), "addresses"
+
+        def launch(self, q, k, v, x, scratch):
+            if self.lost:
+                raise LookupError("gone")
+            events.append(("launch", x))
+
+    class Attend:
+        out_shape = (1, 2, 300, 128)
+
+        def __call__(self, x, o, lse, device=None):
+            events.append(("attend", x))
+
+    def general(self, q, k, v):
+        events.append("general")
+        self.quantize, self.attend, self.lse = Quantize(), Attend(), torch.empty(0)
+        return torch.zeros(self.attend.out_shape, dtype=q.dtype)
+
+    monkeypatch.setattr(fast_paths.Sm90Prefill, "_general", general)
+    monkeypatch.setattr(fast_paths.qk_quant_triton, "stats_scratch", lambda device, part, heads: None)
+    plan = fast_paths._sm90_prefill(q, k, v, cfg, False, 0.1)
+    assert fast_paths._sm90_prefill(q, k, v, cfg, False, 0.1) is plan
+    for other in ((q, k, v, cfg, True, 0.1), (q, k, v, cfg, False, 0.2), (q[:, :, 1:], k, v, cfg, False, 0.1),
+                  (q.transpose(2, 3).contiguous().transpose(2, 3), k, v, cfg, False, 0.1)):
+        assert fast_paths._sm90_prefill(*other) not in (None, plan)
+    route["kernel"] = "triton"
+    assert fast_paths._sm90_prefill(q, k, v[:, :, :299], cfg, False, 0.1) is None
+
+    for _ in range(3):
+        o, lse = plan(q, k, v)
+        assert o.shape == (1, 2, 300, 128) and lse.numel() == 0
+    by_address = [("launch", "addresses"), ("attend", "addresses")]
+    assert events == ["general"] + by_address * 2
+    plan.quantize.lost = True
+    events.clear()
+    plan(q, k, v)
+    plan(q, k, v)
+    assert events == ["general"] + by_address
