@@ -336,11 +336,13 @@ class Sm90Prefill:
         quant_kw, options = prefill_options(self.cfg, q.device, q.shape[-1], q.shape[2], k.shape[2],
                                             is_causal=self.is_causal, sm_scale=self.sm_scale, return_lse=False,
                                             out_dtype=q.dtype)
-        parts = quantize_qkv(q, k, v, **quant_kw)
+        plan = qk_quant_triton.QuantizePlan(q, k, v, **quant_kw)
+        parts = plan.allocate(q.device)
+        plan.launch(q, k, v, parts, qk_quant_triton.stats_scratch(q.device, *plan.scratch_size))
         o, self.lse = _attend(*parts, *options)
         if ATTENTION_GLUON.unsupported(q.device) is None:  # the Gluon kernel ran: its plans are made
-            self.quantize = qk_quant_triton.QuantizePlan(q, k, v, **quant_kw)
-            self.attend = _attn_sm90.Sm90Launch(QuantizedQKV(*parts), k.shape[2],
+            self.quantize = plan
+            self.attend = _attn_sm90.Sm90Launch(parts, k.shape[2],
                                                 qk_granularity=self.cfg.qk_granularity, is_causal=self.is_causal,
                                                 sm_scale=self.sm_scale, out_dtype=q.dtype)
         return o
@@ -370,17 +372,19 @@ SM90_PREFILL_SIGNATURES = 256  # signatures kept (dynamic shapes would add one a
 def _sm90_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig, is_causal: bool,
                   sm_scale: float) -> Sm90Prefill | None:
     """The :class:`Sm90Prefill` of this call's signature (everything the route, the checks and the launches' plans
-    follow from), or None where the call does not take the sm90 route."""
-    key = (cfg, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-           k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, is_causal, sm_scale)
+    follow from), or None where the call does not take the sm90 route or a head dim is not contiguous."""
+    strides = q.stride(), k.stride(), v.stride()
+    key = (cfg, q.shape, k.shape, v.shape, strides, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+           q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, is_causal, sm_scale)
     try:
         return _SM90_PREFILLS[key]
     except KeyError:
         pass
     route = attention_kernel(cfg, q.device, q.shape[-1], q.shape[2], k.shape[2], is_causal)
+    contiguous = all(s[-1] == 1 for s in strides)
     if len(_SM90_PREFILLS) >= SM90_PREFILL_SIGNATURES:
         _SM90_PREFILLS.clear()
-    plan = _SM90_PREFILLS[key] = Sm90Prefill(cfg, is_causal, sm_scale) if route == "sm90" else None
+    plan = _SM90_PREFILLS[key] = Sm90Prefill(cfg, is_causal, sm_scale) if route == "sm90" and contiguous else None
     return plan
 
 
@@ -408,8 +412,7 @@ def quantized_attention(
     """
     compiling = torch.compiler.is_compiling()
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if not (compiling or return_lse or blocks is not None or q.device.type != "cuda" or q.stride(-1) != 1
-            or k.stride(-1) != 1 or v.stride(-1) != 1):
+    if not (compiling or return_lse or blocks is not None or q.device.type != "cuda"):
         prefill = _sm90_prefill(q, k, v, cfg, is_causal, sm_scale)
         if prefill is not None:
             return prefill(q, k, v)

@@ -57,6 +57,7 @@ from .pingpong_gluon import (
     _softmax_block,
     _store_lse,
     _store_output,
+    check_operand_formats,
 )
 from .qk_quant_triton import QuantizedQKV
 from .quant_attn_triton import LOG2E
@@ -319,15 +320,9 @@ class Sm90Launch:
                  block_n: int = 128, stages: int = DEFAULT_STAGES):
         b, h, nq, d = x.q_hat.shape
         hkv, nk_pad = x.k_hat.shape[1], x.k_hat.shape[2]
-        pv_int8 = x.v_hat_t.dtype == torch.int8
-        v_ok = x.v_scale.numel() == 1 if pv_int8 else x.v_hat_t.dtype == torch.float8_e4m3fn and x.v_scale.dim() == 3
-        if x.q_hat.dtype != torch.int8 or not v_ok:
-            raise ValueError("attn_qk_int8_pv_fp8_sm90 takes INT8 Q/K with FP8 V and per-channel V scales (sage2) or "
-                             "INT8 V and one V scale (int8-flash)")
+        pv_int8 = check_operand_formats(x, qk_granularity, "attn_qk_int8_pv_fp8_sm90")
         if x.delta_s.numel():
             raise ValueError("attn_qk_int8_pv_fp8_sm90 has no smooth Q (ΔS): quantize with smooth_q=False")
-        if qk_granularity not in ("thread", "token"):
-            raise ValueError(f"qk_granularity={qk_granularity!r}: the kernel reads per-thread or per-token scales")
         if d not in HEAD_DIMS or nk_pad % block_n or h % hkv:
             raise ValueError(f"head_dim {d} (takes {HEAD_DIMS}), Nk_pad={nk_pad} (a multiple of block_n={block_n}), "
                              f"H={h} (a multiple of Hkv={hkv})")

@@ -657,6 +657,20 @@ def wgmma_key_order(n: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(0, n, 32, device=device)[:, None] + col[None, :]).reshape(-1)
 
 
+def check_operand_formats(x: QuantizedQKV, qk_granularity: str, launcher: str) -> bool:
+    """The operand formats both Gluon attention kernels compute, checked for ``launcher``: INT8 Q/K with FP8 V and
+    per-channel V scales (sage2) or INT8 V and one V scale (int8-flash), per-thread or per-token Q/K scales. Returns
+    whether P̂·V is INT8 (int8-flash)."""
+    pv_int8 = x.v_hat_t.dtype == torch.int8
+    v_ok = x.v_scale.numel() == 1 if pv_int8 else x.v_hat_t.dtype == torch.float8_e4m3fn and x.v_scale.dim() == 3
+    if x.q_hat.dtype != torch.int8 or not v_ok:
+        raise ValueError(f"{launcher} takes INT8 Q/K with FP8 V and per-channel V scales (sage2) or INT8 V and one V "
+                         "scale (int8-flash)")
+    if qk_granularity not in ("thread", "token"):
+        raise ValueError(f"qk_granularity={qk_granularity!r}: the kernel reads per-thread or per-token scales")
+    return pv_int8
+
+
 def permute_v_keys(v_hat_t: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """``v_hat_t (B, Hkv, D, Nk_pad)`` FP8 with its keys in :func:`wgmma_key_order` (the kernel's Vᵀ; what
     ``quantize_qkv(..., v_key_order=True)`` writes), or back (``inverse``). A gather pass: tests and fallbacks."""
@@ -702,13 +716,7 @@ def attn_qk_int8_gluon(
     """
     b, h, nq, d = x.q_hat.shape
     hkv, nk_pad = x.k_hat.shape[1], x.k_hat.shape[2]
-    pv_int8 = x.v_hat_t.dtype == torch.int8
-    v_ok = x.v_scale.numel() == 1 if pv_int8 else x.v_hat_t.dtype == torch.float8_e4m3fn and x.v_scale.dim() == 3
-    if x.q_hat.dtype != torch.int8 or not v_ok:
-        raise ValueError("attn_qk_int8_gluon takes INT8 Q/K with FP8 V and per-channel V scales (sage2) or INT8 V "
-                         "and one V scale (int8-flash)")
-    if qk_granularity not in ("thread", "token"):
-        raise ValueError(f"qk_granularity={qk_granularity!r}: the kernel reads per-thread or per-token scales")
+    pv_int8 = check_operand_formats(x, qk_granularity, "attn_qk_int8_gluon")
     if nk_pad % block_n or block_q % BLOCK_M:
         raise ValueError(f"Nk_pad={nk_pad} must be a multiple of block_n={block_n}, block_q={block_q} of {BLOCK_M}")
     if warpgroups is None:

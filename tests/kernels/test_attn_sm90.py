@@ -298,9 +298,9 @@ def test_a_kept_sm90_launch_holds_no_operand(monkeypatch):
 
 def test_sm90_prefill_plans_by_signature_and_rebuild_a_lost_launch_plan(monkeypatch):
     """``_sm90_prefill`` keeps one ``Sm90Prefill`` per call signature (shapes, strides, dtypes, devices, 16-byte
-    alignment, causal, scale) and None where the route is not sm90; a plan's first call takes the general path, later
-    ones carve and launch by address, and a call whose launch plan is gone (``LookupError``) takes the general path
-    again. The launches are stubbed (CPU)."""
+    alignment, causal, scale) and None where the route is not sm90 or a head dim is not contiguous; a plan's first
+    call takes the general path, later ones carve and launch by address, and a call whose launch plan is gone
+    (``LookupError``) takes the general path again. The launches are stubbed (CPU)."""
     import quantpatch as qp
     from quantpatch.kernels.attention import fast_paths
 
@@ -338,9 +338,10 @@ def test_sm90_prefill_plans_by_signature_and_rebuild_a_lost_launch_plan(monkeypa
     monkeypatch.setattr(fast_paths.qk_quant_triton, "stats_scratch", lambda device, part, heads: None)
     plan = fast_paths._sm90_prefill(q, k, v, cfg, False, 0.1)
     assert fast_paths._sm90_prefill(q, k, v, cfg, False, 0.1) is plan
-    for other in ((q, k, v, cfg, True, 0.1), (q, k, v, cfg, False, 0.2), (q[:, :, 1:], k, v, cfg, False, 0.1),
-                  (q.transpose(2, 3).contiguous().transpose(2, 3), k, v, cfg, False, 0.1)):
+    for other in ((q, k, v, cfg, True, 0.1), (q, k, v, cfg, False, 0.2), (q[:, :, 1:], k, v, cfg, False, 0.1)):
         assert fast_paths._sm90_prefill(*other) not in (None, plan)
+    strided = q.transpose(2, 3).contiguous().transpose(2, 3)  # head dim not contiguous: the general path
+    assert fast_paths._sm90_prefill(strided, k, v, cfg, False, 0.1) is None
     route["kernel"] = "triton"
     assert fast_paths._sm90_prefill(q, k, v[:, :, :299], cfg, False, 0.1) is None
 
