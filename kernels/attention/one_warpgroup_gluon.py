@@ -57,6 +57,7 @@ from .pingpong_gluon import (
     _softmax_block,
     _store_lse,
     _store_output,
+    _warpgroup_rows,
     check_operand_formats,
 )
 from .qk_quant_triton import QuantizedQKV
@@ -243,22 +244,10 @@ def _attn_sm90_kernel(
     hopper.fence_async_shared()
     cta_barrier()
 
-    rows = m0 + gl.arange(0, WG_ROWS, layout=row_s)
-    if CAUSAL:  # bottom-right aligned
-        last_key = gl.minimum(rows + (NK - NQ), NK - 1)
-    else:
-        last_key = gl.full([WG_ROWS], NK - 1, gl.int32, layout=row_s)
-    # δQ · of each lane's rows (16w + i; 16w + 8 + i shares it), shaped (4, 1, 8, 1, 1, 1, 1) in lane7
     lane7: gl.constexpr = gl.reshape(gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_mma),
                                      _lane_scale_shape(BLOCK_N)).type.layout
-    ql: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5,
-                                      gl.SliceLayout(6, lane7)))))  # dims (0, 2): warp w, lane row i
-    q_rows = (m0 + 16 * gl.arange(0, 4, layout=gl.SliceLayout(1, ql))[:, None]
-              + gl.arange(0, 8, layout=gl.SliceLayout(0, ql))[None, :])
-    qs = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + q_rows, mask=q_rows < NQ, other=0.0)
-    qs = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qs, 1), 3), 4), 5), 6)
-    if TOKEN_SCALES:  # δQ of each row enters with the softmax scale
-        qk_scale = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + rows, mask=rows < NQ, other=1.0) * qk_scale
+    rows, last_key, qs, qk_scale = _warpgroup_rows(m0, NQ, NK, QS_ptr, pid_bh, qk_scale, row_s, lane7, CAUSAL,
+                                                   TOKEN_SCALES)
 
     zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.int32, layout=s_mma)
     zero_o = gl.zeros([WG_ROWS, HEAD_DIM], gl.int32 if PV_INT8 else gl.float32, layout=o_mma)

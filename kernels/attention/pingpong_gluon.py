@@ -481,6 +481,29 @@ def _store_lse(m_i, l_i, qk_scale, LSE_ptr, pid_bh, rows, NQ, LOG2_PMAX: gl.cons
 
 
 @gluon.jit
+def _warpgroup_rows(r0, NQ, NK, QS_ptr, pid_bh, qk_scale, row_s: gl.constexpr, lane7: gl.constexpr,
+                    CAUSAL: gl.constexpr, TOKEN_SCALES: gl.constexpr):
+    """A warpgroup's query rows ``r0 … r0 + 63``: their indices ``(64,)``, the last key each attends (bottom-right
+    aligned where ``CAUSAL``), δQ of each lane's rows (16w + i; 16w + 8 + i shares it) shaped (4, 1, 8, 1, 1, 1, 1)
+    in ``lane7`` (per-thread groups), and the softmax scale: ``qk_scale``, or with ``TOKEN_SCALES`` each row's δQ
+    times it ``(64,)`` (it enters with the exp2's multiply-add, :func:`_softmax_block`)."""
+    rows = r0 + gl.arange(0, WG_ROWS, layout=row_s)
+    if CAUSAL:  # row r attends keys ≤ r + Nk - Nq
+        last_key = gl.minimum(rows + (NK - NQ), NK - 1)
+    else:
+        last_key = gl.full([WG_ROWS], NK - 1, gl.int32, layout=row_s)
+    ql: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5,
+                                      gl.SliceLayout(6, lane7)))))  # dims (0, 2): warp w, lane row i
+    q_rows = (r0 + 16 * gl.arange(0, 4, layout=gl.SliceLayout(1, ql))[:, None]
+              + gl.arange(0, 8, layout=gl.SliceLayout(0, ql))[None, :])
+    qs = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + q_rows, mask=q_rows < NQ, other=0.0)
+    qs = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qs, 1), 3), 4), 5), 6)
+    if TOKEN_SCALES:
+        qk_scale = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + rows, mask=rows < NQ, other=1.0) * qk_scale
+    return rows, last_key, qs, qk_scale
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, shared, tensors, where, config: gl.constexpr):
     """Consumer warpgroup ``WG`` (of ``WARPGROUPS``): query rows ``m0 + 64 WG …`` over the program's ``n_blocks`` key
     blocks (module docstring; causal: the diagonal block first, masked), then its rows of O (and LSE). The kernel
@@ -511,22 +534,10 @@ def _consumer(WG: gl.constexpr, shared, tensors, where, config: gl.constexpr):
     row_o: gl.constexpr = gl.SliceLayout(1, o_mma)
     col_o: gl.constexpr = gl.SliceLayout(0, o_mma)
     r0 = m0 + WG * WG_ROWS
-    rows = r0 + gl.arange(0, WG_ROWS, layout=row_s)
-    if CAUSAL:  # bottom-right aligned: row r attends keys ≤ r + Nk - Nq
-        last_key = gl.minimum(rows + (NK - NQ), NK - 1)
-    else:
-        last_key = gl.full([WG_ROWS], NK - 1, gl.int32, layout=row_s)
-    # δQ · log2(e)/√d of each lane's rows (16w + i; 16w + 8 + i shares it), shaped (4, 1, 8, 1, 1, 1, 1) in lane7
     lane7: gl.constexpr = gl.reshape(gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_mma),
                                      _lane_scale_shape(BLOCK_N)).type.layout
-    ql: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5,
-                                      gl.SliceLayout(6, lane7)))))  # dims (0, 2): warp w, lane row i
-    q_rows = (r0 + 16 * gl.arange(0, 4, layout=gl.SliceLayout(1, ql))[:, None]
-              + gl.arange(0, 8, layout=gl.SliceLayout(0, ql))[None, :])
-    qs = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + q_rows, mask=q_rows < NQ, other=0.0)
-    qs = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qs, 1), 3), 4), 5), 6)
-    if TOKEN_SCALES:  # δQ of each row enters with the softmax scale (_softmax_block)
-        qk_scale = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + rows, mask=rows < NQ, other=1.0) * qk_scale
+    rows, last_key, qs, qk_scale = _warpgroup_rows(r0, NQ, NK, QS_ptr, pid_bh, qk_scale, row_s, lane7, CAUSAL,
+                                                   TOKEN_SCALES)
     q_wg = q_s.index(WG)
     zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.int32, layout=s_mma)
     zero_o = gl.zeros([WG_ROWS, HEAD_DIM], gl.int32 if PV_INT8 else gl.float32, layout=o_mma)
