@@ -44,7 +44,7 @@ from quantpatch.kernels.rounding_triton import _div_by
 from quantpatch.metrics import rel_l1
 from quantpatch.modes import get_mode
 from quantpatch.synthetic import attention_inputs
-from tests.gpu import CUDA, DEVICE, needs_cuda
+from tests.gpu import CUDA, DEVICE, assert_graph_replays_follow_eager, needs_cuda
 
 gpu = pytest.mark.gpu
 
@@ -418,29 +418,10 @@ def test_gpu_attention_replays_in_a_cuda_graph_beside_eager_calls(mode):
         return attention_inputs("outliers", batch=2, heads=4, seq_q=1500, dtype=torch.bfloat16, device=DEVICE,
                                 seed=seed)
 
-    static, fresh = [t.clone() for t in inputs(21)], inputs(22)
-
     def call(q, k, v):
         return quantpatch.attention(q, k, v, mode=mode, policy="always", strict=True)
 
-    before = call(*static)  # eager first: the stream's scratch exists when the capture starts
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call(*static)  # warm-up on the side stream (Triton's first launch compiles)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = call(*static)
-    graph.replay()
-    assert torch.equal(captured, before)
-    for t, new in zip(static, fresh):
-        t.copy_(new)
-    graph.replay()
-    eager = call(*fresh)
-    assert torch.equal(captured, eager) and not torch.equal(eager, before)
-    graph.replay()  # after an eager call on this stream's scratch
-    assert torch.equal(captured, eager)
+    assert_graph_replays_follow_eager(call, [t.clone() for t in inputs(21)], inputs(22))
 
 
 @gpu

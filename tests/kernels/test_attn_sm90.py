@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from quantpatch.synthetic import attention_inputs
-from tests.gpu import hopper, needs_cuda
+from tests.gpu import assert_graph_replays_follow_eager, hopper, needs_cuda
 from tests.kernels.test_attention_gluon import assert_as_accurate_as_triton
 
 # (64, 4100): 4 keys in the last block, a 64-key span of padding keys; causal (239, 113): rows that see no key
@@ -257,19 +257,7 @@ def test_gpu_sm90_prefill_plan_replays_in_a_cuda_graph():
     def call(q, k, v):
         return fast_paths.quantized_attention(q, k, v, cfg)[0]
 
-    static, fresh = [t.clone() for t in inputs(5)], inputs(6)
-    before = call(*static)
-    assert call(*static).equal(before)  # the plan's path, eager
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = call(*static)
-    graph.replay()
-    assert torch.equal(captured, before)
-    for t, new in zip(static, fresh):
-        t.copy_(new)
-    graph.replay()
-    eager = call(*fresh)
-    assert torch.equal(captured, eager) and not torch.equal(eager, before)
+    assert_graph_replays_follow_eager(call, [t.clone() for t in inputs(5)], inputs(6))
 
 
 def test_a_kept_sm90_launch_holds_no_operand(monkeypatch):
