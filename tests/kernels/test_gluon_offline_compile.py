@@ -7,7 +7,9 @@ instructions of its numerics and fits the shared memory that lets its programs s
 
 * the one-warpgroup attention kernel: head_dim 64 and 128, causal or not, sage2 and int8-flash operands, the
   launcher's register cap;
-* the TurboAttention decode kernel: one split (the reference's roundings) and several (the merge).
+* the TurboAttention decode kernel: one split (the reference's roundings) and several (the merge);
+* the W4A8 GEMMs: the warp-specialised prefill kernel (its tiles and ring depths, bias or not) and the decode kernel
+  (fused quantization or not, split-K or not), each on FP8 wgmma with the weights as the register operand.
 """
 
 import json
@@ -21,6 +23,8 @@ import pytest
 gluon = pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
 owg = pytest.importorskip("quantpatch.kernels.attention.one_warpgroup_gluon", reason="the sm_90 kernel needs Gluon")
 tdg = pytest.importorskip("quantpatch.kernels.turbo_kv.turbo_decode_gluon", reason="the decode kernel needs Gluon")
+w4p = pytest.importorskip("quantpatch.kernels.w4a8.w4a8_prefill_gluon", reason="the W4A8 GEMMs need Gluon")
+w4d = pytest.importorskip("quantpatch.kernels.w4a8.w4a8_gluon", reason="the W4A8 GEMMs need Gluon")
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -74,6 +78,26 @@ def _turbo_decode(splits: int):
     return _sm90(kernel, types, constexprs, aligned, dict(num_warps=1, enable_fp_fusion=splits > 1))
 
 
+def _w4a8_prefill(block_t: int, stages: int, bias: bool):
+    kernel = w4p._w4a8_prefill_gluon
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    types = dict(x_desc=f"tensordesc<fp8e4nv[{block_t}, 128],{layout!r}>", W_ptr="*i32", AS_ptr="*bf16",
+                 WS_ptr="*fp8e4nv", B_ptr="*bf16", PTS_ptr="*i32", Y_ptr="*bf16")
+    constexprs = dict(BT=block_t, STAGES=stages, HAS_BIAS=bias)
+    aligned = [n for n in kernel.arg_names if n.endswith("_ptr")] + ["K", "stride_wn", "stride_ym"]
+    return _sm90(kernel, types, constexprs, aligned, dict(num_warps=4))
+
+
+def _w4a8_decode(tokens: int, fused: bool, split_k: int):
+    kernel = w4d._w4a8_decode_gluon
+    types = dict(X_ptr="*bf16", XQ_ptr="*fp8e4nv", W_ptr="*i32", AS_ptr="*bf16", WS_ptr="*fp8e4nv", B_ptr="*bf16",
+                 PTS_ptr="*i32", P_ptr="*fp32", C_ptr="*i32", Y_ptr="*bf16")
+    constexprs = dict(BM=tokens, GPC=2, CHUNKS=2, SPLIT_K=split_k, FUSED=fused, QBLOCK=4096, HAS_BIAS=True)
+    # a Llama-sized layer's K and row strides are multiples of 16, as the launch specializes them
+    aligned = [n for n in kernel.arg_names if n.endswith("_ptr")] + ["K", "stride_xm", "stride_wn", "stride_ym"]
+    return _sm90(kernel, types, constexprs, aligned, dict(num_warps=4))
+
+
 def _mma_shapes(compiled) -> list[str]:
     return sorted({line.split()[0].rsplit(".aligned.", 1)[-1] for line in compiled.asm["ptx"].splitlines()
                    if "mma" in line and ".aligned." in line and not line.lstrip().startswith("//")})
@@ -82,7 +106,8 @@ def _mma_shapes(compiled) -> list[str]:
 def build(kernel: str, *args) -> dict:
     """The compiled kernel's tensor-core instruction shapes and shared memory (run where ``TRITON_INTERPRET`` is unset:
     in the interpreter Triton's own jit helpers are interpreted functions, which a Gluon compile cannot inline)."""
-    compiled = {"attention": _attention, "turbo_decode": _turbo_decode}[kernel](*args)
+    compiled = {"attention": _attention, "turbo_decode": _turbo_decode, "w4a8_prefill": _w4a8_prefill,
+                "w4a8_decode": _w4a8_decode}[kernel](*args)
     return {"mma": _mma_shapes(compiled), "shared": compiled.metadata.shared}
 
 
@@ -112,3 +137,17 @@ def test_turbo_decode_kernel_builds_for_sm90(splits):
     result = _built("turbo_decode", splits)
     assert result["mma"] and all(shape.startswith("m16n8k16.") for shape in result["mma"]), result["mma"]  # mma.sync
     assert SM90_SHARED_BYTES // result["shared"] >= tdg.PROGRAMS_PER_SM, result["shared"]
+
+
+@pytest.mark.parametrize("block_t, stages, bias", [(128, 4, False), (64, 2, True), (256, 2, False)])
+def test_w4a8_prefill_kernel_builds_for_sm90(block_t, stages, bias):
+    result = _built("w4a8_prefill", block_t, stages, bias)
+    assert result["mma"] == [f"m64n{block_t}k32.f32.e4m3.e4m3"], result["mma"]  # INT4 → e4m3 operand, FP8 wgmma
+    assert result["shared"] <= SM90_SHARED_BYTES, result["shared"]
+
+
+@pytest.mark.parametrize("tokens, fused, split_k", [(8, True, 1), (16, False, 4)])
+def test_w4a8_decode_kernel_builds_for_sm90(tokens, fused, split_k):
+    result = _built("w4a8_decode", tokens, fused, split_k)
+    assert result["mma"] == [f"m64n{tokens}k32.f32.e4m3.e4m3"], result["mma"]
+    assert result["shared"] <= SM90_SHARED_BYTES, result["shared"]
