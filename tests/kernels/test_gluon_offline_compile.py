@@ -7,6 +7,7 @@ instructions of its numerics and fits the shared memory that lets its programs s
 
 * the one-warpgroup attention kernel: head_dim 64 and 128, causal or not, sage2 and int8-flash operands, the
   launcher's register cap;
+* the ping-pong attention kernel (smooth Q's ΔS): two warpgroups taking turns or three in series, causal or not;
 * the TurboAttention decode kernel: one split (the reference's roundings) and several (the merge);
 * the W4A8 GEMMs: the warp-specialised prefill kernel (its tiles and ring depths, bias or not) and the decode kernel
   (fused quantization or not, split-K or not), each on FP8 wgmma with the weights as the register operand.
@@ -22,6 +23,7 @@ import pytest
 
 gluon = pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
 owg = pytest.importorskip("quantpatch.kernels.attention.one_warpgroup_gluon", reason="the sm_90 kernel needs Gluon")
+ppg = pytest.importorskip("quantpatch.kernels.attention.pingpong_gluon", reason="the sm_90 kernel needs Gluon")
 tdg = pytest.importorskip("quantpatch.kernels.turbo_kv.turbo_decode_gluon", reason="the decode kernel needs Gluon")
 w4p = pytest.importorskip("quantpatch.kernels.w4a8.w4a8_prefill_gluon", reason="the W4A8 GEMMs need Gluon")
 w4d = pytest.importorskip("quantpatch.kernels.w4a8.w4a8_gluon", reason="the W4A8 GEMMs need Gluon")
@@ -66,6 +68,21 @@ def _attention(head_dim: int, causal: bool, int8_flash: bool):
     return _sm90(kernel, types, constexprs, aligned, owg.compile_options(head_dim))
 
 
+def _pingpong(causal: bool, warpgroups: int):
+    kernel = ppg._attn_qk_int8_fwd_gluon
+    k_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)  # also Vᵀ's (D = 128)
+    vec = f"tensordesc<fp32[{BLOCK_N}],{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)!r}>"
+    types = dict(Q_ptr="*i8", QS_ptr="*fp32", KS_ptr="*fp32", QM_ptr="*fp32", KM_ptr="*fp32", VS_ptr="*fp32",
+                 VM_ptr="*fp32", O_ptr="*bf16", LSE_ptr="*fp32", stride_ob="i64", stride_oh="i64", stride_om="i64",
+                 qk_scale="fp32", k_desc=f"tensordesc<i8[{BLOCK_N}, 128],{k_layout!r}>",
+                 vt_desc=f"tensordesc<fp8e4nv[128, {BLOCK_N}],{k_layout!r}>", ks_desc=vec, ds_desc=vec)
+    constexprs = dict(HEAD_DIM=128, BLOCK_N=BLOCK_N, Q_BLOCK=128, SMOOTH_Q=True, SMOOTH_K=True, SMOOTH_V=False,
+                      RETURN_LSE=True, STAGES=2, TOKEN_SCALES=False, PV_INT8=False, CAUSAL=causal,
+                      WARPGROUPS=warpgroups)
+    aligned = [n for n in kernel.arg_names if n.endswith("_ptr")] + ["stride_ob", "stride_oh", "stride_om", "NK_PAD"]
+    return _sm90(kernel, types, constexprs, aligned, dict(num_warps=4))
+
+
 def _turbo_decode(splits: int):
     kernel = tdg._turbo_decode_gluon
     types = dict(Q_ptr="*bf16", KC_ptr="*u8", KS_ptr="*i8", KZ_ptr="*i8", KBS_ptr="*fp32", VC_ptr="*u8", VS_ptr="*i8",
@@ -106,8 +123,8 @@ def _mma_shapes(compiled) -> list[str]:
 def build(kernel: str, *args) -> dict:
     """The compiled kernel's tensor-core instruction shapes and shared memory (run where ``TRITON_INTERPRET`` is unset:
     in the interpreter Triton's own jit helpers are interpreted functions, which a Gluon compile cannot inline)."""
-    compiled = {"attention": _attention, "turbo_decode": _turbo_decode, "w4a8_prefill": _w4a8_prefill,
-                "w4a8_decode": _w4a8_decode}[kernel](*args)
+    compiled = {"attention": _attention, "pingpong": _pingpong, "turbo_decode": _turbo_decode,
+                "w4a8_prefill": _w4a8_prefill, "w4a8_decode": _w4a8_decode}[kernel](*args)
     return {"mma": _mma_shapes(compiled), "shared": compiled.metadata.shared}
 
 
@@ -130,6 +147,13 @@ def test_attention_kernel_builds_for_sm90(head_dim, causal, int8_flash):
     # Q̂·K̂ᵀ on INT8 tensor cores, P̂·V̂ on the mode's (wgmma)
     assert set(result["mma"]) == {f"m64n{BLOCK_N}k32.s32.s8.s8", pv}, result["mma"]
     assert SM90_SHARED_BYTES // result["shared"] >= (3 if head_dim == 128 else 4), result["shared"]
+
+
+@pytest.mark.parametrize("causal, warpgroups", [(False, 2), (True, 2), (False, ppg.SERIAL.value)])
+def test_pingpong_attention_kernel_builds_for_sm90(causal, warpgroups):
+    result = _built("pingpong", causal, warpgroups)
+    assert set(result["mma"]) == {f"m64n{BLOCK_N}k32.s32.s8.s8", "m64n128k32.f32.e4m3.e4m3"}, result["mma"]
+    assert result["shared"] <= SM90_SHARED_BYTES, result["shared"]
 
 
 @pytest.mark.parametrize("splits", [1, 8])
