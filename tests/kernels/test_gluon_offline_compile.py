@@ -3,7 +3,8 @@
 Gluon has no interpreter, so these kernels' numerics are tested on the GPU only (``test_attn_sm90.py``,
 ``test_turbo_decode_gluon.py``). Triton's compiler and ``ptxas`` need no GPU, though: this builds them for sm_90 as
 their launchers do, in a process without ``TRITON_INTERPRET``, and checks each binary holds the tensor-core
-instructions of its numerics and fits the shared memory that lets its programs share an SM:
+instructions of its numerics, that ptxas kept its wgmma asynchronous (no serialization advisory) and that it fits the
+shared memory that lets its programs share an SM:
 
 * the one-warpgroup attention kernel: head_dim 64 and 128, causal or not, sage2 and int8-flash operands, the
   launcher's register cap;
@@ -17,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -120,12 +122,27 @@ def _mma_shapes(compiled) -> list[str]:
                    if "mma" in line and ".aligned." in line and not line.lstrip().startswith("//")})
 
 
+def _wgmma_serialized(ptx: str) -> list[str]:
+    """ptxas's advisories that it serialized the kernel's wgmma (C7510–C7515: each wgmma then waits for the one
+    before, with no overlap), from assembling ``ptx`` again with ``-v`` as Triton does (Triton keeps no log)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        done = subprocess.run([get_ptxas(90).path, "-v", "--regAllocOptLevel=2", "--gpu-name=sm_90a", str(src), "-o",
+                               str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True, check=True)
+    return [line for line in done.stderr.splitlines() if "wgmma" in line and "serialized" in line]
+
+
 def build(kernel: str, *args) -> dict:
-    """The compiled kernel's tensor-core instruction shapes and shared memory (run where ``TRITON_INTERPRET`` is unset:
-    in the interpreter Triton's own jit helpers are interpreted functions, which a Gluon compile cannot inline)."""
+    """The compiled kernel's tensor-core instruction shapes, shared memory and ptxas's wgmma serialization advisories
+    (run where ``TRITON_INTERPRET`` is unset: in the interpreter Triton's own jit helpers are interpreted functions,
+    which a Gluon compile cannot inline)."""
     compiled = {"attention": _attention, "pingpong": _pingpong, "turbo_decode": _turbo_decode,
                 "w4a8_prefill": _w4a8_prefill, "w4a8_decode": _w4a8_decode}[kernel](*args)
-    return {"mma": _mma_shapes(compiled), "shared": compiled.metadata.shared}
+    return {"mma": _mma_shapes(compiled), "shared": compiled.metadata.shared,
+            "serialized": _wgmma_serialized(compiled.asm["ptx"])}
 
 
 def _built(kernel: str, *args) -> dict:
@@ -146,6 +163,7 @@ def test_attention_kernel_builds_for_sm90(head_dim, causal, int8_flash):
     pv = f"m64n{head_dim}k32." + ("s32.s8.s8" if int8_flash else "f32.e4m3.e4m3")
     # Q̂·K̂ᵀ on INT8 tensor cores, P̂·V̂ on the mode's (wgmma)
     assert set(result["mma"]) == {f"m64n{BLOCK_N}k32.s32.s8.s8", pv}, result["mma"]
+    assert not result["serialized"], result["serialized"]
     assert SM90_SHARED_BYTES // result["shared"] >= (3 if head_dim == 128 else 4), result["shared"]
 
 
@@ -153,6 +171,7 @@ def test_attention_kernel_builds_for_sm90(head_dim, causal, int8_flash):
 def test_pingpong_attention_kernel_builds_for_sm90(causal, warpgroups):
     result = _built("pingpong", causal, warpgroups)
     assert set(result["mma"]) == {f"m64n{BLOCK_N}k32.s32.s8.s8", "m64n128k32.f32.e4m3.e4m3"}, result["mma"]
+    assert not result["serialized"], result["serialized"]
     assert result["shared"] <= SM90_SHARED_BYTES, result["shared"]
 
 
@@ -167,6 +186,7 @@ def test_turbo_decode_kernel_builds_for_sm90(splits):
 def test_w4a8_prefill_kernel_builds_for_sm90(block_t, stages, bias):
     result = _built("w4a8_prefill", block_t, stages, bias)
     assert result["mma"] == [f"m64n{block_t}k32.f32.e4m3.e4m3"], result["mma"]  # INT4 → e4m3 operand, FP8 wgmma
+    assert not result["serialized"], result["serialized"]
     assert result["shared"] <= SM90_SHARED_BYTES, result["shared"]
 
 
@@ -174,4 +194,5 @@ def test_w4a8_prefill_kernel_builds_for_sm90(block_t, stages, bias):
 def test_w4a8_decode_kernel_builds_for_sm90(tokens, fused, split_k):
     result = _built("w4a8_decode", tokens, fused, split_k)
     assert result["mma"] == [f"m64n{tokens}k32.f32.e4m3.e4m3"], result["mma"]
+    assert not result["serialized"], result["serialized"]
     assert result["shared"] <= SM90_SHARED_BYTES, result["shared"]
