@@ -8,7 +8,8 @@ shared memory that lets its programs share an SM:
 
 * the one-warpgroup attention kernel: head_dim 64 and 128, causal or not, sage2 and int8-flash operands, the
   launcher's register cap;
-* the ping-pong attention kernel (smooth Q's ΔS): two warpgroups taking turns or three in series, causal or not;
+* the ping-pong attention kernel: sage2 with smooth Q's ΔS (two warpgroups taking turns, causal or not) and
+  int8-flash (three in series), at its launcher's ring depths;
 * the TurboAttention decode kernel: one split (the reference's roundings) and several (the merge);
 * the W4A8 GEMMs: the warp-specialised prefill kernel (its tiles and ring depths, bias or not) and the decode kernel
   (fused quantization or not, split-K or not), each on FP8 wgmma with the weights as the register operand.
@@ -70,17 +71,20 @@ def _attention(head_dim: int, causal: bool, int8_flash: bool):
     return _sm90(kernel, types, constexprs, aligned, owg.compile_options(head_dim))
 
 
-def _pingpong(causal: bool, warpgroups: int):
+def _pingpong(causal: bool, warpgroups: int, int8_flash: bool):
+    """The ping-pong kernel as its launcher's defaults build it: sage2 with smooth Q, or int8-flash; two warpgroups
+    and 3 stages, or three in series and 4."""
     kernel = ppg._attn_qk_int8_fwd_gluon
     k_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)  # also Vᵀ's (D = 128)
     vec = f"tensordesc<fp32[{BLOCK_N}],{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)!r}>"
     types = dict(Q_ptr="*i8", QS_ptr="*fp32", KS_ptr="*fp32", QM_ptr="*fp32", KM_ptr="*fp32", VS_ptr="*fp32",
                  VM_ptr="*fp32", O_ptr="*bf16", LSE_ptr="*fp32", stride_ob="i64", stride_oh="i64", stride_om="i64",
                  qk_scale="fp32", k_desc=f"tensordesc<i8[{BLOCK_N}, 128],{k_layout!r}>",
-                 vt_desc=f"tensordesc<fp8e4nv[128, {BLOCK_N}],{k_layout!r}>", ks_desc=vec, ds_desc=vec)
-    constexprs = dict(HEAD_DIM=128, BLOCK_N=BLOCK_N, Q_BLOCK=128, SMOOTH_Q=True, SMOOTH_K=True, SMOOTH_V=False,
-                      RETURN_LSE=True, STAGES=2, TOKEN_SCALES=False, PV_INT8=False, CAUSAL=causal,
-                      WARPGROUPS=warpgroups)
+                 vt_desc=f"tensordesc<{'i8' if int8_flash else 'fp8e4nv'}[128, {BLOCK_N}],{k_layout!r}>", ks_desc=vec,
+                 ds_desc=vec)
+    constexprs = dict(HEAD_DIM=128, BLOCK_N=BLOCK_N, Q_BLOCK=128, SMOOTH_Q=not int8_flash, SMOOTH_K=True,
+                      SMOOTH_V=False, RETURN_LSE=True, STAGES=4 if warpgroups == ppg.SERIAL.value else 3,
+                      TOKEN_SCALES=int8_flash, PV_INT8=int8_flash, CAUSAL=causal, WARPGROUPS=warpgroups)
     aligned = [n for n in kernel.arg_names if n.endswith("_ptr")] + ["stride_ob", "stride_oh", "stride_om", "NK_PAD"]
     return _sm90(kernel, types, constexprs, aligned, dict(num_warps=4))
 
@@ -167,10 +171,12 @@ def test_attention_kernel_builds_for_sm90(head_dim, causal, int8_flash):
     assert SM90_SHARED_BYTES // result["shared"] >= (3 if head_dim == 128 else 4), result["shared"]
 
 
-@pytest.mark.parametrize("causal, warpgroups", [(False, 2), (True, 2), (False, ppg.SERIAL.value)])
-def test_pingpong_attention_kernel_builds_for_sm90(causal, warpgroups):
-    result = _built("pingpong", causal, warpgroups)
-    assert set(result["mma"]) == {f"m64n{BLOCK_N}k32.s32.s8.s8", "m64n128k32.f32.e4m3.e4m3"}, result["mma"]
+@pytest.mark.parametrize("causal, warpgroups, int8_flash", [(False, 2, False), (True, 2, False),
+                                                             (False, ppg.SERIAL.value, True)])
+def test_pingpong_attention_kernel_builds_for_sm90(causal, warpgroups, int8_flash):
+    result = _built("pingpong", causal, warpgroups, int8_flash)
+    pv = "m64n128k32." + ("s32.s8.s8" if int8_flash else "f32.e4m3.e4m3")
+    assert set(result["mma"]) == {f"m64n{BLOCK_N}k32.s32.s8.s8", pv}, result["mma"]
     assert not result["serialized"], result["serialized"]
     assert result["shared"] <= SM90_SHARED_BYTES, result["shared"]
 
