@@ -47,13 +47,22 @@ class _RecordingKernel:
         return run
 
 
-def test_launch_plans_compile_once_a_key_then_relaunch(monkeypatch):
+def _stub_launches(monkeypatch, interpreting: bool = False) -> list:
+    """``compiled_launch`` as on a GPU (or under the interpreter), with ``relaunch`` and the stream stubbed: returns
+    the list each relaunch appends its ``(compiled kernel, grid, args)`` to."""
     from quantpatch.kernels import compiled_launch
 
-    monkeypatch.setattr(compiled_launch, "_INTERPRETING", False)
+    monkeypatch.setattr(compiled_launch, "_INTERPRETING", interpreting)
     relaunched = []
     monkeypatch.setattr(compiled_launch, "relaunch", lambda k, grid, stream, args: relaunched.append((k, grid, args)))
     monkeypatch.setattr(compiled_launch, "current_stream", lambda device: 7)
+    return relaunched
+
+
+def test_launch_plans_compile_once_a_key_then_relaunch(monkeypatch):
+    from quantpatch.kernels import compiled_launch
+
+    relaunched = _stub_launches(monkeypatch)
     kernel = _RecordingKernel()
     plans = compiled_launch.LaunchPlans(kernel)
     x = torch.zeros(64)
@@ -86,17 +95,14 @@ def test_launch_plans_keep_nothing_under_the_interpreter(monkeypatch):
 def test_a_plan_key_stands_in_for_the_arguments_specialization(monkeypatch):
     from quantpatch.kernels import compiled_launch
 
-    monkeypatch.setattr(compiled_launch, "_INTERPRETING", False)
-    relaunched = []
-    monkeypatch.setattr(compiled_launch, "relaunch", lambda k, grid, stream, args: relaunched.append(args))
-    monkeypatch.setattr(compiled_launch, "current_stream", lambda device: 7)
+    relaunched = _stub_launches(monkeypatch)
     kernel = _RecordingKernel()
     plans = compiled_launch.LaunchPlans(kernel)
     x = torch.zeros(64)
     plans((2,), (x, 32), dict(BLOCK=16, FLAG=True), plan_key=("shape", 32), num_warps=4)
     monkeypatch.setattr(compiled_launch, "specialization", lambda args: pytest.fail("specialized a keyed launch"))
     plans((2,), (x, 48), dict(BLOCK=16, FLAG=True), plan_key=("shape", 32), num_warps=4)
-    assert len(kernel.runs) == 1 and relaunched == [(x, 48, 16, True)]
+    assert len(kernel.runs) == 1 and [args for _, _, args in relaunched] == [(x, 48, 16, True)]
     plans((2,), (x, 48), dict(BLOCK=16, FLAG=True), plan_key=("shape", 48), num_warps=4)  # another key: compiled
     plans((2,), (x, 32), dict(BLOCK=32, FLAG=True), plan_key=("shape", 32), num_warps=4)  # other constexprs too
     assert len(plans) == 3 and len(kernel.runs) == 3
@@ -109,10 +115,7 @@ def test_addresses_need_a_plan_made_with_tensors(monkeypatch, interpreting):
     from quantpatch.kernels import compiled_launch
     from quantpatch.kernels.compiled_launch import DevicePointer
 
-    monkeypatch.setattr(compiled_launch, "_INTERPRETING", interpreting)
-    relaunched = []
-    monkeypatch.setattr(compiled_launch, "relaunch", lambda k, grid, stream, args: relaunched.append(args))
-    monkeypatch.setattr(compiled_launch, "current_stream", lambda device: 7)
+    relaunched = _stub_launches(monkeypatch, interpreting)
     kernel = _RecordingKernel()
     plans = compiled_launch.LaunchPlans(kernel)
     address = DevicePointer(4096)
@@ -124,4 +127,4 @@ def test_addresses_need_a_plan_made_with_tensors(monkeypatch, interpreting):
         return
     plans((1,), (torch.zeros(4), 3), dict(BLOCK=16, FLAG=False), plan_key=("k",), device=0)
     plans((1,), (address, 3), dict(BLOCK=16, FLAG=False), plan_key=("k",), device=0)
-    assert len(kernel.runs) == 1 and relaunched == [(address, 3, 16, False)]
+    assert len(kernel.runs) == 1 and [args for _, _, args in relaunched] == [(address, 3, 16, False)]
