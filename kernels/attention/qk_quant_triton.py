@@ -703,9 +703,9 @@ def quantize_qkv(
     Returns:
         :class:`QuantizedQKV` on ``q``'s device, launched on the current stream.
     """
-    _check_inputs(q, k, v)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    # the plan checks the inputs
     plan = QuantizePlan(q, k, v, qk_format=qk_format, qk_granularity=qk_granularity, qk_qmax=qk_qmax,
                         smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v, pv_format=pv_format, pv_qmax=pv_qmax,
                         v_granularity=v_granularity, block_q=block_q, block_k=block_k, warps=warps, pad_to=pad_to,
