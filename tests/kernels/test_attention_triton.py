@@ -467,3 +467,18 @@ def test_quantize_plan_carves_every_output_apart(mode):
     made = quantize_qkv(q, k, v, **options)
     assert [(tuple(t.shape), t.dtype) for t in made] == [(tuple(s), d) for s, d in plan.layout]
     assert [(tuple(t.shape), t.dtype) for t in plan.allocate(q.device)] == [(tuple(s), d) for s, d in plan.layout]
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda t: t.float(), TypeError, "float16 or bfloat16"),
+    (lambda t: t[..., :96], ValueError, "head_dim must be 64 or 128"),  # a strided head dim: copied, then refused
+    (lambda t: t[0], ValueError, r"expected q \(B, H, Nq, D\)"),
+])
+def test_quantize_qkv_refuses_inputs_the_kernels_cannot_take(change, error, match):
+    """Wrong dtypes, head dims and ranks raise before any launch (the check ``QuantizePlan`` runs)."""
+    from quantpatch.kernels.attention.qk_quant_triton import quantize_qkv
+
+    q, k, v = attention_inputs("outliers", batch=1, heads=2, seq_q=40, seq_k=40, head_dim=128, dtype=torch.bfloat16,
+                               seed=1)
+    with pytest.raises(error, match=match):
+        quantize_qkv(*(change(t) for t in (q, k, v)))
