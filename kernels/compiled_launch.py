@@ -6,7 +6,9 @@ for the prefill path's kernels, depending on the host), for kernels whose GPU ti
 A caller keeps the ``CompiledKernel`` that a first ``kernel[grid](...)`` returned, keyed by everything Triton
 specializes it on (:func:`specialization` of the runtime arguments, the constexprs and the launch options), and
 passes later calls with the same key to :func:`relaunch`; :class:`LaunchPlans` does both for one kernel.
-:func:`current_stream` and :func:`stream_key` name the stream a launch goes to. :func:`cdiv` and
+:func:`relaunch` calls the launcher's C function itself where Triton's launcher has the form it knows
+(:class:`DirectLaunch`): each TMA descriptor filled once per address, not on every call, and Triton's empty launch
+hooks not called. :func:`current_stream` and :func:`stream_key` name the stream a launch goes to. :func:`cdiv` and
 :func:`next_pow2` are the launchers' host integer arithmetic: ``triton.cdiv`` and
 ``triton.next_power_of_2`` are ``ConstexprFunction`` calls, a few µs each on the host, which a decode step's
 launcher pays on every call.
@@ -14,6 +16,7 @@ launcher pays on every call.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -70,13 +73,93 @@ class DevicePointer(int):
         return int(self)
 
 
+def _active(hooks):
+    """A launch hook as the launcher takes it: None for Triton's hook chain with no hook in it (the launcher then calls
+    nothing, and no launch metadata is made for it)."""
+    return None if hooks is None or getattr(hooks, "calls", True) == [] else hooks
+
+
+class DirectLaunch:
+    """The C launch function of one compiled kernel, called without Triton's Python launcher around it (Triton 3.5 /
+    3.6's ``CudaLauncher``: its scratch allocations, which this kernel has none of, and its per-call argument walk).
+    A TMA descriptor argument is expanded as Triton's wrapper expands it (``make_tensordesc_arg``) once per base
+    address, shape and strides, and kept (:data:`DESCRIPTORS_KEPT` a kernel): the same 128 bytes that the wrapper
+    fills on every call (16-18 µs of host time a call of the sm90 attention kernel's three, H200 host).
+
+    :meth:`of` gives None where the launcher is not of that form (another Triton version, a kernel with scratch
+    memory or a cooperative / PDL launch); :func:`relaunch` then calls Triton's launcher."""
+
+    DESCRIPTORS_KEPT = 64  # expansions kept per kernel; past it, all are dropped (one call's are made again)
+
+    def __init__(self, kernel, c_launch, descriptor_meta: dict[int, object], expand):
+        self.kernel, self.c_launch, self.descriptor_meta, self.expand = kernel, c_launch, descriptor_meta, expand
+        self._expanded: dict[tuple, list] = {}
+
+    @classmethod
+    def of(cls, kernel) -> DirectLaunch | None:
+        """The direct launch of ``kernel`` (a ``CompiledKernel``), or None where its launcher is not of the known
+        form."""
+        run = kernel.run
+        try:
+            from triton.backends.nvidia import driver
+        except ImportError:
+            return None
+        expand = getattr(driver, "make_tensordesc_arg", None)
+        if (type(run) is not getattr(driver, "CudaLauncher", None) or getattr(driver, "_BASE_ARGS_FORMAT", None)
+                != "iiiKKppOOOOOO" or expand is None or len(inspect.signature(expand).parameters) != 2
+                or list(inspect.signature(type(run).__call__).parameters)
+                != ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
+                or run.global_scratch_size or run.profile_scratch_size or run.launch_cooperative_grid
+                or run.launch_pdl):
+            return None
+        launch = run.launch
+        if launch.__closure__ is None:  # no descriptor argument: the launcher is the C function itself
+            return cls(kernel, launch, {}, expand)
+        names = inspect.getclosurevars(launch).nonlocals
+        if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= names.keys():
+            return None
+        indices = sorted(names["tensordesc_indices"])
+        return cls(kernel, names["launcher"], dict(zip(indices, names["tensordesc_meta"])), expand)
+
+    def _descriptor(self, i: int, desc) -> list:
+        key = (i, desc.base.data_ptr(), *desc.shape, *desc.strides, desc.padding)
+        expanded = self._expanded.get(key)
+        if expanded is None:
+            if len(self._expanded) >= self.DESCRIPTORS_KEPT:
+                self._expanded.clear()
+            expanded = self._expanded[key] = self.expand(desc, self.descriptor_meta[i])
+        return expanded
+
+    def __call__(self, grid: tuple[int, int, int], stream: int, args: tuple, enter, exit_) -> None:
+        """As ``kernel.run``: ``args`` every kernel parameter (descriptors as ``TensorDescriptor`` s); ``enter`` and
+        ``exit_`` the launch hooks, or None."""
+        kernel = self.kernel
+        meta = None if enter is None else kernel.launch_metadata(grid, stream, *args)
+        if self.descriptor_meta:
+            args = list(args)
+            for i in reversed(self.descriptor_meta):  # from the last, so that earlier positions stay put
+                args[i:i + 1] = self._descriptor(i, args[i])
+        self.c_launch(*grid, stream, kernel.function, False, False, None, None, kernel.packed_metadata, meta, enter,
+                      exit_, *args)
+
+
+_DIRECT: dict[object, DirectLaunch | None] = {}  # by compiled kernel (a few tens a process: one a launch plan)
+
+
 def relaunch(kernel, grid: tuple[int, int, int], stream: int, args: tuple) -> None:
     """Launch the compiled ``kernel`` on ``grid`` and ``stream`` with ``args``: every kernel parameter in signature
-    order, constexprs included (the launcher skips them). Triton's launch hooks (profilers) still run."""
-    enter = knobs.runtime.launch_enter_hook
+    order, constexprs included (the launcher skips them), through :class:`DirectLaunch` where it applies, else
+    Triton's launcher. Triton's launch hooks (profilers) still run when any is set."""
+    enter, exit_ = _active(knobs.runtime.launch_enter_hook), _active(knobs.runtime.launch_exit_hook)
+    try:
+        direct = _DIRECT[kernel]
+    except KeyError:
+        direct = _DIRECT[kernel] = DirectLaunch.of(kernel)
+    if direct is not None:
+        direct(grid, stream, args, enter, exit_)
+        return
     meta = None if enter is None else kernel.launch_metadata(grid, stream, *args)
-    kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, meta, enter, knobs.runtime.launch_exit_hook,
-               *args)
+    kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, meta, enter, exit_, *args)
 
 
 def _no_addresses(kernel, args: tuple) -> None:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from quantpatch.kernels.compiled_launch import specialization
+from tests.gpu import hopper
 
 
 def test_specialization_tells_apart_what_triton_compiles_apart():
@@ -128,3 +129,135 @@ def test_addresses_need_a_plan_made_with_tensors(monkeypatch, interpreting):
     plans((1,), (torch.zeros(4), 3), dict(BLOCK=16, FLAG=False), plan_key=("k",), device=0)
     plans((1,), (address, 3), dict(BLOCK=16, FLAG=False), plan_key=("k",), device=0)
     assert len(kernel.runs) == 1 and [args for _, _, args in relaunched] == [(address, 3, 16, False)]
+
+
+def _fake_triton36_launcher(monkeypatch, c_calls: list, expansions: list, *, scratch: int = 0):
+    """A compiled kernel whose launcher has Triton 3.6's form (``CudaLauncher``; its descriptor wrapper a closure over
+    the C function, the descriptor positions and their metadata), with the driver module's names it is checked
+    by patched in; the C function records its arguments in ``c_calls``, each descriptor expansion goes to
+    ``expansions``."""
+    from triton.backends.nvidia import driver
+
+    def expand(arg, metadata):
+        expansions.append((arg.base.data_ptr(), metadata))
+        return [f"map{arg.base.data_ptr()}:{metadata}", *arg.shape, *arg.strides]
+
+    class CudaLauncher:
+        def __init__(self):
+            launcher = lambda *a: c_calls.append(a)  # noqa: E731  (the compiled C function)
+            tensordesc_indices, tensordesc_meta = {3, 1}, ["meta1", "meta3"]
+
+            def inner(*args):
+                return launcher, tensordesc_indices, tensordesc_meta  # (the wrapper; only its closure is read)
+
+            self.launch = inner
+            self.global_scratch_size = scratch
+            self.profile_scratch_size = 0
+            self.launch_cooperative_grid = self.launch_pdl = False
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            raise AssertionError("the direct launch went through the Python launcher")
+
+    monkeypatch.setattr(driver, "CudaLauncher", CudaLauncher, raising=False)
+    monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", "iiiKKppOOOOOO", raising=False)
+    monkeypatch.setattr(driver, "make_tensordesc_arg", expand, raising=False)
+
+    class Compiled:
+        run = CudaLauncher()
+        function, packed_metadata = 77, ("packed",)
+
+        def launch_metadata(self, grid, stream, *args):
+            return ("metadata", grid, args)
+
+    return Compiled()
+
+
+class _Descriptor:
+    def __init__(self, address: int):
+        from quantpatch.kernels.compiled_launch import DevicePointer
+
+        self.base, self.shape, self.strides, self.padding = DevicePointer(address), [64, 128], [128, 1], "zero"
+
+
+def test_direct_launch_expands_each_descriptor_once_an_address(monkeypatch):
+    """Triton 3.6's launcher form: the C function gets the base arguments Triton's launcher gives it, then every
+    kernel argument with each descriptor expanded at its position; a descriptor is expanded once per address."""
+    from quantpatch.kernels import compiled_launch
+
+    c_calls, expansions = [], []
+    kernel = _fake_triton36_launcher(monkeypatch, c_calls, expansions)
+    direct = compiled_launch.DirectLaunch.of(kernel)
+    assert direct is not None and direct.descriptor_meta == {1: "meta1", 3: "meta3"}
+    args = ("x", _Descriptor(4096), 5, _Descriptor(8192), 16)
+    direct((3, 2, 1), 9, args, None, None)
+    direct((3, 2, 1), 9, args, None, None)
+    assert expansions == [(8192, "meta3"), (4096, "meta1")]  # the second call expanded nothing
+    base = (3, 2, 1, 9, 77, False, False, None, None, ("packed",), None, None, None)
+    flat = ("x", "map4096:meta1", 64, 128, 128, 1, 5, "map8192:meta3", 64, 128, 128, 1, 16)
+    assert c_calls == [base + flat] * 2
+    direct((3, 2, 1), 9, ("x", _Descriptor(4096), 5, _Descriptor(12288), 16), "enter", "exit")
+    assert expansions[2:] == [(12288, "meta3")]  # a new address of one descriptor: only it is expanded
+    metadata, enter, exit_ = c_calls[-1][10:13]
+    assert (enter, exit_) == ("enter", "exit")
+    assert metadata[0] == "metadata" and metadata[2][1].base == 4096  # made from the unexpanded arguments
+
+
+def test_direct_launch_declines_launchers_it_does_not_know(monkeypatch):
+    from triton.backends.nvidia import driver
+
+    from quantpatch.kernels import compiled_launch
+
+    kernel = _fake_triton36_launcher(monkeypatch, [], [], scratch=256)
+    assert compiled_launch.DirectLaunch.of(kernel) is None  # scratch memory: Triton's launcher allocates it
+    kernel = _fake_triton36_launcher(monkeypatch, [], [])
+    monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", "iiiKKppOOOO")
+    assert compiled_launch.DirectLaunch.of(kernel) is None  # another base argument layout
+
+
+def test_relaunch_drops_empty_hook_chains_and_keeps_set_ones(monkeypatch):
+    from triton import knobs
+
+    from quantpatch.kernels import compiled_launch
+
+    c_calls = []
+    kernel = _fake_triton36_launcher(monkeypatch, c_calls, [])
+    monkeypatch.setattr(compiled_launch, "_DIRECT", {})
+    compiled_launch.relaunch(kernel, (1, 1, 1), 0, ("x", _Descriptor(4096), 5, _Descriptor(8192), 16))
+    assert c_calls[-1][10:13] == (None, None, None)  # no hook set: no metadata, no hook call
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        compiled_launch.relaunch(kernel, (1, 1, 1), 0, ("x", _Descriptor(4096), 5, _Descriptor(8192), 16))
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert c_calls[-1][11] is knobs.runtime.launch_enter_hook and c_calls[-1][12] is None
+    assert c_calls[-1][10][0] == "metadata"
+
+
+@hopper
+def test_direct_launch_gives_the_bits_of_tritons_launcher(monkeypatch):
+    """The sm90 prefill path (three launches, the attention kernel's three TMA descriptors) through the direct launch
+    and through Triton's launcher: the same outputs bit for bit, for two sets of inputs; on Triton 3.5 / 3.6 every one
+    of its launches is direct."""
+    import triton
+
+    import quantpatch
+    from quantpatch.kernels import compiled_launch
+    from quantpatch.kernels.attention import fast_paths
+
+    cfg = quantpatch.get_mode("sage2-8b").attention
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [[torch.randn(1, 2, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)]
+              for _ in range(2)]
+    monkeypatch.setattr(compiled_launch, "_DIRECT", {})
+    fast_paths.quantized_attention(*inputs[0], cfg)  # the first call of a shape makes the plans
+    direct = [fast_paths.quantized_attention(*x, cfg)[0] for x in inputs]
+    launchers = list(compiled_launch._DIRECT.values())
+    assert len(launchers) == 3
+    if triton.__version__.startswith(("3.5.", "3.6.")):
+        assert all(d is not None for d in launchers) and sum(len(d.descriptor_meta) for d in launchers) == 3
+    monkeypatch.setattr(compiled_launch, "_DIRECT", {})
+    monkeypatch.setattr(compiled_launch.DirectLaunch, "of", classmethod(lambda cls, kernel: None))
+    through_triton = [fast_paths.quantized_attention(*x, cfg)[0] for x in inputs]
+    assert all(torch.equal(a, b) for a, b in zip(direct, through_triton))
+    assert not torch.equal(direct[0], direct[1])
