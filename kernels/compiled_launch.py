@@ -113,7 +113,7 @@ class DirectLaunch:
                 or run.launch_pdl):
             return None
         launch = run.launch
-        if launch.__closure__ is None:  # no descriptor argument: the launcher is the C function itself
+        if getattr(launch, "__closure__", None) is None:  # no descriptor argument: the C function itself
             return cls(kernel, launch, {}, expand)
         names = inspect.getclosurevars(launch).nonlocals
         if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= names.keys():
