@@ -234,6 +234,7 @@ def test_relaunch_drops_empty_hook_chains_and_keeps_set_ones(monkeypatch):
     assert c_calls[-1][10][0] == "metadata"
 
 
+@pytest.mark.gpu
 @hopper
 def test_direct_launch_gives_the_bits_of_tritons_launcher(monkeypatch):
     """The sm90 prefill path (three launches, the attention kernel's three TMA descriptors) through the direct launch
