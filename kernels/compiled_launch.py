@@ -184,6 +184,9 @@ class LaunchPlans:
         return len(self._plans)
 
     def clear(self) -> None:
+        """Drop every plan (and their kernels' direct launches): the next call of each key compiles again."""
+        for compiled in self._plans.values():
+            _DIRECT.pop(compiled, None)
         self._plans.clear()
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, *, plan_key: tuple | None = None,

@@ -262,3 +262,18 @@ def test_direct_launch_gives_the_bits_of_tritons_launcher(monkeypatch):
     through_triton = [fast_paths.quantized_attention(*x, cfg)[0] for x in inputs]
     assert all(torch.equal(a, b) for a, b in zip(direct, through_triton))
     assert not torch.equal(direct[0], direct[1])
+
+
+def test_clearing_plans_drops_their_direct_launches(monkeypatch):
+    from quantpatch.kernels import compiled_launch
+
+    _stub_launches(monkeypatch)
+    monkeypatch.setattr(compiled_launch, "_DIRECT", {})
+    kernel = _RecordingKernel()
+    plans = compiled_launch.LaunchPlans(kernel)
+    plans((2,), (torch.zeros(64), 32), dict(BLOCK=16, FLAG=True), num_warps=4)
+    (compiled,) = plans._plans.values()
+    other = object()
+    compiled_launch._DIRECT.update({compiled: None, other: None})  # as relaunch leaves them
+    plans.clear()
+    assert len(plans) == 0 and list(compiled_launch._DIRECT) == [other]
