@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..compiled_launch import interpreting, next_pow2
+from ..compiled_launch import LaunchPlans, interpreting, next_pow2
 from ..rounding_triton import ROUND_TO_BF16, _round_to, _to_fp8e4m3
 from .w4a8_ref import GROUP_SIZE
 
@@ -74,6 +74,9 @@ def _w4a8_quantize_activation_kernel(
     _quantize_row(X_ptr + m * stride_xm, XQ_ptr + m * stride_qm, S_ptr + m, K, BLOCK_K, FRAGMENT, EMULATE)
 
 
+_QUANTIZE_LAUNCH = LaunchPlans(_w4a8_quantize_activation_kernel)
+
+
 def quantize_activation_fp8(x: torch.Tensor, *, fragment_order: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token FP8 quantization of ``x (M, K)`` (fp16/bf16/fp32, last dim contiguous).
 
@@ -98,10 +101,8 @@ def quantize_activation_fp8(x: torch.Tensor, *, fragment_order: bool = False) ->
         warps = max(1, min(16, block_k // 512))
         if m > DECODE_BLOCK_M and k > 2 * LONG_ROW_CHUNK:
             block_k, warps = LONG_ROW_CHUNK, 8
-        _w4a8_quantize_activation_kernel[(m,)](
-            x, x_hat, beta, k, x.stride(0), x_hat.stride(0), BLOCK_K=block_k, FRAGMENT=fragment_order,
-            EMULATE=interpreting(), num_warps=warps,
-        )
+        _QUANTIZE_LAUNCH((m,), (x, x_hat, beta, k, x.stride(0), x_hat.stride(0)),
+                         dict(BLOCK_K=block_k, FRAGMENT=fragment_order, EMULATE=interpreting()), num_warps=warps)
     return x_hat, beta
 
 
