@@ -337,8 +337,7 @@ class Sm90Prefill:
                                             is_causal=self.is_causal, sm_scale=self.sm_scale, return_lse=False,
                                             out_dtype=q.dtype)
         plan = qk_quant_triton.QuantizePlan(q, k, v, **quant_kw)
-        parts = plan.allocate(q.device)
-        plan.launch(q, k, v, parts, qk_quant_triton.stats_scratch(q.device, *plan.scratch_size))
+        parts = plan.quantize(q, k, v)
         o, self.lse = _attend(*parts, *options)
         if ATTENTION_GLUON.unsupported(q.device) is None:  # the Gluon kernel ran: its plans are made
             self.quantize = plan

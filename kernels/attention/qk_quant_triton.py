@@ -650,6 +650,13 @@ class QuantizePlan:
         base = workspace.data_ptr()
         return workspace, QuantizedQKV(*[DevicePointer(base + off) for off in self.offsets])
 
+    def quantize(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> QuantizedQKV:
+        """The operands of ``q, k, v`` (inputs of this plan's signature) in tensors of their own (:meth:`allocate`),
+        launched on the current stream with its statistics scratch."""
+        x = self.allocate(q.device)
+        self.launch(q, k, v, x, stats_scratch(q.device, *self.scratch_size))
+        return x
+
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: QuantizedQKV,
                scratch: _StatsScratch) -> None:
         """The two or three launches into ``x``, on the current stream (inputs of this plan's signature)."""
@@ -710,10 +717,7 @@ def quantize_qkv(
                         smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v, pv_format=pv_format, pv_qmax=pv_qmax,
                         v_granularity=v_granularity, block_q=block_q, block_k=block_k, warps=warps, pad_to=pad_to,
                         v_key_order=v_key_order, is_causal=is_causal)
-    scratch = stats_scratch(q.device, *plan.scratch_size)
-    x = plan.allocate(q.device)
-    plan.launch(q, k, v, x, scratch)
-    return x
+    return plan.quantize(q, k, v)
 
 
 # --------------------------------------------------------------------------- reference
