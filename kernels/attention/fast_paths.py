@@ -182,11 +182,19 @@ def gluon_takes(cfg: AttentionConfig, head_dim: int, nq: int, nk: int, is_causal
     return nk >= GLUON_MIN_KEYS[cfg.numerics, is_causal]
 
 
+def _fireq_numerics(cfg: AttentionConfig) -> bool:
+    """``cfg`` is FireQ's prefill attention as the sm90 kernel computes it: e4m3 Q/K with per-token scales, e4m3 P̃·V
+    with one V scale (one- or two-level), ℓ from the unquantized P̃, exact exp2."""
+    return (cfg.numerics == "fireq" and cfg.qk_format == "fp8_e4m3" and cfg.qk_granularity == "token"
+            and cfg.pv_format == "fp8_e4m3" and cfg.v_granularity == "tensor" and not cfg.l_from_quantized_p
+            and not cfg.p_from_block_max and cfg.exp == "exact")
+
+
 def sm90_takes(cfg: AttentionConfig, head_dim: int, nq: int, nk: int, is_causal: bool) -> bool:
     """Whether :func:`~quantpatch.kernels.attention.one_warpgroup_gluon.attn_qk_int8_pv_fp8_sm90` computes this call (on
-    sm_90): the Gluon numerics without smooth Q (sage2-8b, int8-flash), head_dim 64 or 128, at least
-    ``SM90_MIN_KEYS[is_causal]`` keys (where it ran faster than the Triton kernel, kernel only, H200)."""
-    return (_attn_sm90 is not None and _gluon_numerics(cfg) and not cfg.smooth_q
+    sm_90): the Gluon numerics or FireQ's, without smooth Q (sage2-8b, int8-flash, fireq), head_dim 64 or 128, at
+    least ``SM90_MIN_KEYS[is_causal]`` keys (where it ran faster than the Triton kernel, kernel only, H200)."""
+    return (_attn_sm90 is not None and (_gluon_numerics(cfg) or _fireq_numerics(cfg)) and not cfg.smooth_q
             and head_dim in _attn_sm90.HEAD_DIMS and nk >= SM90_MIN_KEYS[is_causal])
 
 
@@ -267,7 +275,7 @@ def _attend(
             if kernel == "sm90":
                 return _attn_sm90.attn_qk_int8_pv_fp8_sm90(x, nk, qk_granularity=qk_granularity, is_causal=is_causal,
                                                            sm_scale=sm_scale, return_lse=return_lse,
-                                                           out_dtype=out_dtype)
+                                                           out_dtype=out_dtype, two_level_accum=two_level_accum)
             return _attn_gluon.attn_qk_int8_gluon(x, nk, qk_granularity=qk_granularity, is_causal=is_causal,
                                                   sm_scale=sm_scale, return_lse=return_lse, out_dtype=out_dtype,
                                                   block_q=block_q, v_keys_permuted=v_hat_t)
@@ -343,7 +351,8 @@ class Sm90Prefill:
             self.quantize = plan
             self.attend = _attn_sm90.Sm90Launch(parts, k.shape[2],
                                                 qk_granularity=self.cfg.qk_granularity, is_causal=self.is_causal,
-                                                sm_scale=self.sm_scale, out_dtype=q.dtype)
+                                                sm_scale=self.sm_scale, out_dtype=q.dtype,
+                                                two_level_accum=self.cfg.two_level_accum)
         return o
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

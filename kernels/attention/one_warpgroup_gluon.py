@@ -133,10 +133,11 @@ def _softmax_lane_scaled(s_int, scale7, qk_scale, key0, m_i, l_i, last_key, BLOC
 def _attend_block(j, q_s, k_s, v_s, ks_s, k_bar, v_bar, k_desc, vt_desc, ks_desc, KS_ptr, k_row, v_row, n_blocks,
                   qs, qk_scale, last_key, m_i, l_i, acc, zero_s, zero_o, lane7: gl.constexpr,
                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TOKEN_SCALES: gl.constexpr,
-                  PV_INT8: gl.constexpr, MASKED: gl.constexpr, col_s: gl.constexpr, row_s: gl.constexpr,
-                  row_o: gl.constexpr, p_op: gl.constexpr):
-    """Key block j of the program (:func:`_key_block`): S, softmax, P̂·V, ``acc = α acc + P̂·V``; refills both ring
-    slots with block j + STAGES. ``MASKED``: keys past ``last_key`` of a row are masked."""
+                  PV_INT8: gl.constexpr, TWO_LEVEL: gl.constexpr, MASKED: gl.constexpr, col_s: gl.constexpr,
+                  row_s: gl.constexpr, row_o: gl.constexpr, p_op: gl.constexpr):
+    """Key block j of the program (:func:`_key_block`): S, softmax, P̂·V, ``acc = α acc + P̂·V`` (``TWO_LEVEL``:
+    P̂·V in its own accumulator, then added; else the wgmma accumulates into α acc); refills both ring slots with
+    block j + STAGES. ``MASKED``: keys past ``last_key`` of a row are masked."""
     slot = j % STAGES
     phase = (j // STAGES) & 1
     key0 = _key_block(j, n_blocks, BLOCK_N)
@@ -171,9 +172,14 @@ def _attend_block(j, q_s, k_s, v_s, ks_s, k_bar, v_bar, k_desc, vt_desc, ks_desc
             p_hat, alpha, m_i, l_i = _softmax_lane_scaled(s_int, scale, qk_scale, key0, m_i, l_i, last_key, BLOCK_N,
                                                           MASKED, col_s, row_s, p_op)
     mbarrier.wait(v_bar.index(slot), phase)
-    r_tok = hopper.warpgroup_mma(p_hat, v_s.index(slot).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-    r = hopper.warpgroup_mma_wait(0, deps=[r_tok])
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + _block_pv(r)  # two-level: a block's P̂·V, then acc
+    alpha_o = gl.convert_layout(alpha, row_o)[:, None]
+    if TWO_LEVEL:  # a block's P̂·V, then acc
+        r_tok = hopper.warpgroup_mma(p_hat, v_s.index(slot).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+        r = hopper.warpgroup_mma_wait(0, deps=[r_tok])
+        acc = acc * alpha_o + _block_pv(r)
+    else:  # one level: the FP8 wgmma adds P̂·V to α acc in its own accumulator
+        acc_tok = hopper.warpgroup_mma(p_hat, v_s.index(slot).permute((1, 0)), acc * alpha_o, is_async=True)
+        acc = hopper.warpgroup_mma_wait(0, deps=[acc_tok])
     if refill:
         mbarrier.expect(v_bar.index(slot), BLOCK_N * HEAD_DIM)
         tma_load(vt_desc, [v_row, key0 - STAGES * BLOCK_N], v_bar.index(slot), v_s.index(slot))
@@ -186,7 +192,8 @@ def _attn_sm90_kernel(
     stride_ob, stride_oh, stride_om,
     NQ, NK, NK_PAD, H, GROUP, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    SMOOTH_V: gl.constexpr, RETURN_LSE: gl.constexpr, TOKEN_SCALES: gl.constexpr, PV_INT8: gl.constexpr,
+    SMOOTH_V: gl.constexpr, RETURN_LSE: gl.constexpr, TOKEN_SCALES: gl.constexpr, QK_FP8: gl.constexpr,
+    PV_INT8: gl.constexpr, V_TENSOR: gl.constexpr, TWO_LEVEL: gl.constexpr,
 ):
     """Program ``(q block of 64 rows, b·H + h)`` (causal: the last q block first, it has the most keys), 4 warps."""
     WG_ROWS: gl.constexpr = 64
@@ -221,7 +228,7 @@ def _attn_sm90_kernel(
         n_blocks = gl.minimum(gl.maximum(gl.cdiv(m0 + WG_ROWS + NK - NQ, BLOCK_N), 1), n_blocks)
         n_masked = gl.minimum(gl.maximum(n_blocks - gl.maximum(m0 + NK - NQ + 1, 0) // BLOCK_N, 1), n_blocks)
 
-    k_s = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_s = gl.allocate_shared_memory(vt_desc.dtype, [STAGES, HEAD_DIM, BLOCK_N], vt_desc.layout)
     ks_s = gl.allocate_shared_memory(gl.float32, [STAGES if TOKEN_SCALES else 1, BLOCK_N], ks_desc.layout)
     k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -235,12 +242,12 @@ def _attn_sm90_kernel(
             _load_kv(k_desc, vt_desc, ks_desc, k_s, v_s, ks_s, k_bar, v_bar, i, k_row, v_row,
                      _key_block(i, n_blocks, BLOCK_N), HEAD_DIM, BLOCK_N, TOKEN_SCALES)
 
-    # the Q tile (int8) into shared memory, under the first K/V loads
-    q_s = gl.allocate_shared_memory(gl.int8, [WG_ROWS, HEAD_DIM], k_desc.layout)
+    # the Q tile (int8 or e4m3, as K) into shared memory, under the first K/V loads
+    q_s = gl.allocate_shared_memory(k_desc.dtype, [WG_ROWS, HEAD_DIM], k_desc.layout)
     rows_ld = m0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, ld))
     d_ld = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
     q_s.store(gl.load(Q_ptr + (pid_bh.to(gl.int64) * NQ + rows_ld[:, None]) * HEAD_DIM + d_ld[None, :],
-                      mask=rows_ld[:, None] < NQ, other=0))
+                      mask=rows_ld[:, None] < NQ, other=0.0))
     hopper.fence_async_shared()
     cta_barrier()
 
@@ -249,7 +256,7 @@ def _attn_sm90_kernel(
     rows, last_key, qs, qk_scale = _warpgroup_rows(m0, NQ, NK, QS_ptr, pid_bh, qk_scale, row_s, lane7, CAUSAL,
                                                    TOKEN_SCALES)
 
-    zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.int32, layout=s_mma)
+    zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.float32 if QK_FP8 else gl.int32, layout=s_mma)
     zero_o = gl.zeros([WG_ROWS, HEAD_DIM], gl.int32 if PV_INT8 else gl.float32, layout=o_mma)
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
@@ -257,19 +264,19 @@ def _attn_sm90_kernel(
     for j in range(n_masked):
         m_i, l_i, acc = _attend_block(j, q_s, k_s, v_s, ks_s, k_bar, v_bar, k_desc, vt_desc, ks_desc, KS_ptr, k_row,
                                       v_row, n_blocks, qs, qk_scale, last_key, m_i, l_i, acc, zero_s, zero_o, lane7,
-                                      HEAD_DIM, BLOCK_N, STAGES, TOKEN_SCALES, PV_INT8, True, col_s, row_s, row_o,
-                                      p_op)
+                                      HEAD_DIM, BLOCK_N, STAGES, TOKEN_SCALES, PV_INT8, TWO_LEVEL, True, col_s,
+                                      row_s, row_o, p_op)
     for j in range(n_masked, n_blocks):
         m_i, l_i, acc = _attend_block(j, q_s, k_s, v_s, ks_s, k_bar, v_bar, k_desc, vt_desc, ks_desc, KS_ptr, k_row,
                                       v_row, n_blocks, qs, qk_scale, last_key, m_i, l_i, acc, zero_s, zero_o, lane7,
-                                      HEAD_DIM, BLOCK_N, STAGES, TOKEN_SCALES, PV_INT8, False, col_s, row_s, row_o,
-                                      p_op)
+                                      HEAD_DIM, BLOCK_N, STAGES, TOKEN_SCALES, PV_INT8, TWO_LEVEL, False, col_s,
+                                      row_s, row_o, p_op)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_bar.index(i))
         mbarrier.invalidate(v_bar.index(i))
 
     _store_output(acc, l_i, VS_ptr, VM_ptr, O_ptr, bh_kv, b, h, m0, stride_ob, stride_oh, stride_om, NQ, HEAD_DIM,
-                  WG_ROWS, SMOOTH_V, PV_INT8, col_o, row_o)
+                  WG_ROWS, SMOOTH_V, V_TENSOR, col_o, row_o)
     if RETURN_LSE:
         _store_lse(m_i, l_i, qk_scale, LSE_ptr, pid_bh, rows, NQ, LOG2_PMAX)
 
@@ -291,6 +298,21 @@ def compile_options(head_dim: int) -> dict:
     return dict(num_warps=4, maxnreg=MAXNREG[head_dim])
 
 
+def operand_numerics(x: QuantizedQKV, qk_granularity: str) -> tuple[bool, bool, bool]:
+    """The numerics family of ``x``'s operand formats, checked: ``(qk_fp8, pv_int8, v_tensor)``. Those of
+    :func:`~quantpatch.kernels.attention.pingpong_gluon.check_operand_formats` (sage2, int8-flash), and FireQ's: e4m3
+    Q/K with per-token scales, e4m3 V with one scale."""
+    if x.q_hat.dtype != torch.float8_e4m3fn:
+        pv_int8 = check_operand_formats(x, qk_granularity, "attn_qk_int8_pv_fp8_sm90")
+        return False, pv_int8, pv_int8
+    if (x.k_hat.dtype != torch.float8_e4m3fn or x.v_hat_t.dtype != torch.float8_e4m3fn or x.v_scale.numel() != 1
+            or qk_granularity != "token"):
+        raise ValueError("attn_qk_int8_pv_fp8_sm90 takes e4m3 Q/K with per-token scales and e4m3 V with one scale "
+                         f"(fireq); got K̂ {x.k_hat.dtype}, V̂ {x.v_hat_t.dtype} with {x.v_scale.numel()} scales, "
+                         f"qk_granularity={qk_granularity!r}")
+    return True, False, True
+
+
 def _rebased(desc: TensorDescriptor, base) -> TensorDescriptor:
     """``desc`` over another base of its dtype and alignment (checked when ``desc`` was made, not again)."""
     out = object.__new__(TensorDescriptor)
@@ -306,10 +328,10 @@ class Sm90Launch:
 
     def __init__(self, x: QuantizedQKV, nk: int, *, qk_granularity: str = "thread", is_causal: bool = False,
                  sm_scale: float | None = None, return_lse: bool = False, out_dtype: torch.dtype = torch.bfloat16,
-                 block_n: int = 128, stages: int = DEFAULT_STAGES):
+                 block_n: int = 128, stages: int = DEFAULT_STAGES, two_level_accum: bool = True):
         b, h, nq, d = x.q_hat.shape
         hkv, nk_pad = x.k_hat.shape[1], x.k_hat.shape[2]
-        pv_int8 = check_operand_formats(x, qk_granularity, "attn_qk_int8_pv_fp8_sm90")
+        qk_fp8, pv_int8, v_tensor = operand_numerics(x, qk_granularity)
         if x.delta_s.numel():
             raise ValueError("attn_qk_int8_pv_fp8_sm90 has no smooth Q (ΔS): quantize with smooth_q=False")
         if d not in HEAD_DIMS or nk_pad % block_n or h % hkv:
@@ -337,7 +359,8 @@ class Sm90Launch:
         self.grid = (cdiv(nq, BLOCK_M), b * h)
         self.constexprs = dict(HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=is_causal,
                                SMOOTH_V=x.v_mean.numel() > 0, RETURN_LSE=return_lse,
-                               TOKEN_SCALES=qk_granularity == "token", PV_INT8=pv_int8)
+                               TOKEN_SCALES=qk_granularity == "token", QK_FP8=qk_fp8, PV_INT8=pv_int8,
+                               V_TENSOR=v_tensor, TWO_LEVEL=two_level_accum or pv_int8)
         # Triton specializes a descriptor on its dtype, block shape and layout (the constexprs and these dtypes): the
         # key is the specialization of the other arguments (o and lse are allocated by the caller; qk_scale a float)
         tensors = (x.q_hat, x.q_scale, x.k_scale, x.v_scale, x.v_mean)
@@ -372,20 +395,25 @@ def attn_qk_int8_pv_fp8_sm90(
     out_dtype: torch.dtype = torch.bfloat16,
     block_n: int = 128,
     stages: int = DEFAULT_STAGES,
+    two_level_accum: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """sage2 (without smooth Q) or int8-flash attention over
+    """sage2 (without smooth Q), int8-flash or fireq attention over
     :func:`~quantpatch.kernels.attention.qk_quant_triton.quantize_qkv` operands quantized with ``v_key_order=True``
     (``x.v_hat_t``'s keys in ``pingpong_gluon.wgmma_key_order``); causal is bottom-right aligned, as the reference.
-    The V operand picks P̂·V, as in the Triton kernel: FP8 V with per-channel scales → P̂ = e4m3(448 P̃) (sage2),
-    INT8 V with one scale → P̂ = rne(127 P̃) and ℓ from P̂ (int8-flash).
+    The operands pick the numerics, as in the Triton kernel: INT8 Q/K with FP8 V and per-channel V scales →
+    P̂ = e4m3(448 P̃) (sage2); INT8 V with one scale → P̂ = rne(127 P̃) and ℓ from P̂ (int8-flash); e4m3 Q/K and V with
+    one V scale → FP8 Q̂·K̂ᵀ in fp32, P̂ = e4m3(448 P̃) (fireq).
 
     ``qk_granularity``: ``"thread"``, SageAttention2's per-thread groups (``block_q / warps`` a multiple of 16,
-    ``block_k`` of 64), read as one δQ·δK a lane; ``"token"``: one scale a token (int8-flash), δK brought with K.
-    ``stages``: depth of the K and Vᵀ rings; the ptxas register cap (more programs an SM): :func:`compile_options`.
+    ``block_k`` of 64), read as one δQ·δK a lane; ``"token"``: one scale a token (int8-flash, fireq), δK brought
+    with K. ``two_level_accum``: an FP8 P̂·V in its own accumulator, added to the main one (SageAttention2 §3.4), or
+    accumulated into it (fireq's default). ``stages``: depth of the K and Vᵀ rings; the ptxas register cap (more
+    programs an SM): :func:`compile_options`.
     Returns ``o (B, H, Nq, D)`` in ``out_dtype`` and ``lse (B, H, Nq)`` float32 (natural log; empty unless asked).
     """
     launch = Sm90Launch(x, nk, qk_granularity=qk_granularity, is_causal=is_causal, sm_scale=sm_scale,
-                        return_lse=return_lse, out_dtype=out_dtype, block_n=block_n, stages=stages)
+                        return_lse=return_lse, out_dtype=out_dtype, block_n=block_n, stages=stages,
+                        two_level_accum=two_level_accum)
     o, lse = launch.outputs(x.q_hat.device)
     launch(x, o, lse)
     return o, lse

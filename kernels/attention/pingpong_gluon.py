@@ -449,12 +449,13 @@ def _serial_loop(WG: gl.constexpr, q_wg, p_wg, k_s, ds_s, ks_s, v_s, k_ready, v_
 
 @gluon.jit
 def _store_output(acc, l_i, VS_ptr, VM_ptr, O_ptr, bh_kv, b, h, r0, stride_ob, stride_oh, stride_om, NQ,
-                  HEAD_DIM: gl.constexpr, WG_ROWS: gl.constexpr, SMOOTH_V: gl.constexpr, PV_INT8: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, WG_ROWS: gl.constexpr, SMOOTH_V: gl.constexpr, V_TENSOR: gl.constexpr,
                   col_o: gl.constexpr, row_o: gl.constexpr):
     """The epilogue of a warpgroup's rows ``r0 ...``: O = acc·δV / ℓ (+ mean V), 0 for rows that saw no key; returns
-    the head-dim offsets (``col_o``). ``acc`` is in units of P_MAX·V̂ and ℓ in units of P_MAX: the two cancel."""
+    the head-dim offsets (``col_o``). ``acc`` is in units of P_MAX·V̂ and ℓ in units of P_MAX: the two cancel. δV:
+    one scale (``V_TENSOR``) or one a channel."""
     d_o = gl.arange(0, HEAD_DIM, layout=col_o)
-    if PV_INT8:  # one V scale
+    if V_TENSOR:
         out = acc * gl.load(VS_ptr)
     else:
         out = acc * gl.load(VS_ptr + bh_kv * HEAD_DIM + d_o)[None, :]

@@ -1,5 +1,5 @@
 """The one-warpgroup Gluon kernel (:mod:`quantpatch.kernels.attention.one_warpgroup_gluon`: sage2 without smooth Q,
-int8-flash) against the Triton kernel over the same operands.
+int8-flash, fireq) against the Triton kernel over the same operands.
 
 Both take key blocks of 128, but this kernel takes a program's blocks last first (the tail or causal diagonal
 blocks, the only masked ones), so P̂ is rounded against another running max: a different draw of the same FP8 /
@@ -9,6 +9,7 @@ float64's as the Triton kernel's, within NOISE_FACTOR and LSE_ATOL. GPU only (Gl
 the launcher's checks run everywhere.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -42,7 +43,7 @@ def _operands(nq, nk, head_dim, mode, seed):
 @pytest.mark.parametrize("shape", range(len(SHAPES)))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("mode, stages", [("sage2-8b", 1), ("sage2-8b", 2), ("int8-flash", 2)])
+@pytest.mark.parametrize("mode, stages", [("sage2-8b", 1), ("sage2-8b", 2), ("int8-flash", 2), ("fireq", 2)])
 def test_gpu_sm90_matches_the_triton_kernel(shape, causal, head_dim, mode, stages):
     from quantpatch.kernels.attention.one_warpgroup_gluon import attn_qk_int8_pv_fp8_sm90
     from quantpatch.kernels.attention.pingpong_gluon import permute_v_keys
@@ -55,7 +56,7 @@ def test_gpu_sm90_matches_the_triton_kernel(shape, causal, head_dim, mode, stage
                                        block_m=64, block_n=128, num_warps=4, num_stages=2,
                                        l_from_quantized_p=cfg.l_from_quantized_p, two_level_accum=cfg.two_level_accum)
     out, lse = attn_qk_int8_pv_fp8_sm90(x, nk, qk_granularity=cfg.qk_granularity, is_causal=causal,
-                                        return_lse=True, stages=stages)
+                                        return_lse=True, stages=stages, two_level_accum=cfg.two_level_accum)
     assert_as_accurate_as_triton("sm90", out, lse, ref, ref_lse, qkv, cfg, causal)
 
 
@@ -73,12 +74,14 @@ def test_gpu_sm90_without_lse_gives_the_same_output():
     assert torch.equal(out, with_lse)
 
 
-def _cpu_operands(head_dim=128, v_dtype=torch.float8_e4m3fn, v_scale_shape=(1, 1, 128), delta_s=(0,)):
+def _cpu_operands(head_dim=128, v_dtype=torch.float8_e4m3fn, v_scale_shape=(1, 1, 128), delta_s=(0,),
+                  qk_dtype=torch.int8, k_dtype=None):
     from quantpatch.kernels.attention.qk_quant_triton import QuantizedQKV
 
-    i8, f32, empty = torch.int8, torch.float32, torch.empty(0)
-    return QuantizedQKV(torch.zeros(1, 1, 100, head_dim, dtype=i8), torch.ones(1, 1, 100), empty,
-                        torch.zeros(1, 1, 128, head_dim, dtype=i8), torch.ones(1, 1, 128), empty, torch.zeros(delta_s),
+    f32, empty = torch.float32, torch.empty(0)
+    return QuantizedQKV(torch.zeros(1, 1, 100, head_dim).to(qk_dtype), torch.ones(1, 1, 100), empty,
+                        torch.zeros(1, 1, 128, head_dim).to(k_dtype or qk_dtype), torch.ones(1, 1, 128), empty,
+                        torch.zeros(delta_s),
                         torch.zeros(1, 1, head_dim, 128).to(v_dtype), torch.ones(v_scale_shape, dtype=f32), empty)
 
 
@@ -88,10 +91,16 @@ def _cpu_operands(head_dim=128, v_dtype=torch.float8_e4m3fn, v_scale_shape=(1, 1
     ({}, dict(qk_granularity="block"), "qk_granularity"),
     (dict(v_dtype=torch.int8), {}, "INT8 V and one V scale"),
     (dict(v_scale_shape=(1,)), {}, "per-channel V scales"),
+    (dict(qk_dtype=torch.float8_e4m3fn, v_scale_shape=(1,)), {}, "per-token scales"),  # per-thread FP8 groups
+    (dict(qk_dtype=torch.float8_e4m3fn), dict(qk_granularity="token"), "with one scale"),
+    (dict(qk_dtype=torch.float8_e4m3fn, v_dtype=torch.int8, v_scale_shape=(1,)), dict(qk_granularity="token"),
+     "e4m3 V"),
+    (dict(qk_dtype=torch.float8_e4m3fn, k_dtype=torch.int8, v_scale_shape=(1,)), dict(qk_granularity="token"),
+     "e4m3 Q/K"),
 ])
 def test_sm90_launcher_rejects_what_the_kernel_does_not_compute(operands, call, match):
-    """Checked before anything reaches the GPU: ΔS (smooth Q), other head dims, unknown Q/K groups, V operands of
-    neither numerics."""
+    """Checked before anything reaches the GPU: ΔS (smooth Q), other head dims, unknown Q/K groups, operands of none
+    of its numerics (FP8 Q/K: fireq's per-token scales, e4m3 K and V, one V scale)."""
     from quantpatch.kernels.attention.one_warpgroup_gluon import attn_qk_int8_pv_fp8_sm90
 
     with pytest.raises(ValueError, match=match):
@@ -118,17 +127,24 @@ def test_sm90_launcher_rejects_operands_tma_cannot_read(field, bad):
     ("sage2-8b", 128, True, 2048, "triton"), ("sage2-8b", 128, True, 4096, "sm90"),
     ("int8-flash", 64, True, 16384, "sm90"), ("sage2-8b", 128, False, 512, "triton"),
     ("sage2-4b", 128, False, 8192, "gluon"), ("sage2-4b", 64, False, 8192, "triton"),
-    ("fireq", 128, False, 8192, "triton"), ("turbo", 128, False, 8192, "triton"),
+    ("fireq", 128, False, 8192, "sm90"), ("fireq", 64, True, 8192, "sm90"), ("fireq", 128, False, 512, "triton"),
+    ("fireq+two_level_accum=1", 128, False, 8192, "sm90"), ("fireq+l_from_quantized_p=1", 128, False, 8192, "triton"),
+    ("turbo", 128, False, 8192, "triton"),
 ])
 def test_route_prefers_the_sm90_kernel_where_it_measured_faster(monkeypatch, mode, d, causal, n, expected):
-    """On an sm_90 device (the gate mocked open): sage2 without smooth Q and int8-flash from SM90_MIN_KEYS keys,
-    smooth Q (sage2-4b) on the ping-pong kernel at D=128, everything else on the Triton kernel; on a CPU, Triton."""
+    """On an sm_90 device (the gate mocked open): sage2 without smooth Q, int8-flash and fireq (one- or two-level P̂·V,
+    ℓ from P̃) from SM90_MIN_KEYS keys, smooth Q (sage2-4b) on the ping-pong kernel at D=128, everything else on the
+    Triton kernel; on a CPU, Triton."""
     import quantpatch as qp
     from quantpatch.kernels.attention import fast_paths
 
     if fast_paths._attn_sm90 is None:
         pytest.skip(f"the Gluon kernels do not import here: {fast_paths._GLUON_IMPORT_ERROR}")
-    cfg = qp.get_mode(mode).attention
+    name, _, option = mode.partition("+")
+    cfg = qp.get_mode(name).attention
+    if option:
+        field, value = option.split("=")
+        cfg = dataclasses.replace(cfg, **{field: bool(int(value))})
     cpu = torch.device("cpu")
     assert fast_paths.attention_kernel(cfg, cpu, d, n, n, causal) == "triton"
 
@@ -207,7 +223,8 @@ def _general_path(q, k, v, cfg, causal):
 @hopper
 @pytest.mark.parametrize("mode, head_dim, causal, nq, nk", [
     ("sage2-8b", 128, False, 1000, 1100), ("sage2-8b", 64, False, 203, 4100), ("sage2-8b", 128, True, 239, 4096),
-    ("int8-flash", 128, False, 1000, 1100), ("int8-flash", 64, True, 4097, 4097)])
+    ("int8-flash", 128, False, 1000, 1100), ("int8-flash", 64, True, 4097, 4097), ("fireq", 128, False, 1000, 1100),
+    ("fireq", 64, True, 4097, 4097)])
 def test_gpu_sm90_prefill_plan_gives_the_general_paths_bits(mode, head_dim, causal, nq, nk):
     """``quantized_attention``'s later calls of one signature (``Sm90Prefill``: the quantized operands carved from one
     allocation and launched by address) give the general path's output bit for bit on new input contents; after the

@@ -55,18 +55,22 @@ def _sm90(kernel, types: dict, constexprs: dict, aligned: list, options: dict):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def _attention(head_dim: int, causal: bool, int8_flash: bool):
+def _attention(head_dim: int, causal: bool, numerics: str):
+    """The one-warpgroup kernel as its launcher builds it for ``numerics`` (``sage2``, ``int8_flash``, ``fireq``)."""
     kernel = owg._attn_sm90_kernel
+    int8_flash, fireq = numerics == "int8_flash", numerics == "fireq"
     k_layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim), element_bitwidth=8, rank=2)
     v_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     vec_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    types = dict(Q_ptr="*i8", QS_ptr="*fp32", KS_ptr="*fp32", VS_ptr="*fp32", VM_ptr="*fp32", O_ptr="*bf16",
+    qk = "fp8e4nv" if fireq else "i8"
+    types = dict(Q_ptr=f"*{qk}", QS_ptr="*fp32", KS_ptr="*fp32", VS_ptr="*fp32", VM_ptr="*fp32", O_ptr="*bf16",
                  LSE_ptr="*fp32", stride_ob="i64", stride_oh="i64", stride_om="i64", qk_scale="fp32",
-                 k_desc=f"tensordesc<i8[{BLOCK_N}, {head_dim}],{k_layout!r}>",
+                 k_desc=f"tensordesc<{qk}[{BLOCK_N}, {head_dim}],{k_layout!r}>",
                  vt_desc=f"tensordesc<{'i8' if int8_flash else 'fp8e4nv'}[{head_dim}, {BLOCK_N}],{v_layout!r}>",
                  ks_desc=f"tensordesc<fp32[{BLOCK_N}],{vec_layout!r}>")
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=owg.DEFAULT_STAGES, CAUSAL=causal, SMOOTH_V=False,
-                      RETURN_LSE=True, TOKEN_SCALES=int8_flash, PV_INT8=int8_flash)
+                      RETURN_LSE=True, TOKEN_SCALES=numerics != "sage2", QK_FP8=fireq, PV_INT8=int8_flash,
+                      V_TENSOR=numerics != "sage2", TWO_LEVEL=not fireq)
     aligned = [n for n in kernel.arg_names if n.endswith("_ptr")] + ["stride_ob", "stride_oh", "stride_om", "NK_PAD"]
     return _sm90(kernel, types, constexprs, aligned, owg.compile_options(head_dim))
 
@@ -160,13 +164,15 @@ def _built(kernel: str, *args) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("head_dim, causal, int8_flash", [(128, False, False), (128, True, False), (64, False, False),
-                                                          (64, True, True)])
-def test_attention_kernel_builds_for_sm90(head_dim, causal, int8_flash):
-    result = _built("attention", head_dim, causal, int8_flash)
-    pv = f"m64n{head_dim}k32." + ("s32.s8.s8" if int8_flash else "f32.e4m3.e4m3")
-    # Q̂·K̂ᵀ on INT8 tensor cores, P̂·V̂ on the mode's (wgmma)
-    assert set(result["mma"]) == {f"m64n{BLOCK_N}k32.s32.s8.s8", pv}, result["mma"]
+@pytest.mark.parametrize("head_dim, causal, numerics", [
+    (128, False, "sage2"), (128, True, "sage2"), (64, False, "sage2"), (64, True, "int8_flash"), (128, False, "fireq"),
+    (64, True, "fireq")])
+def test_attention_kernel_builds_for_sm90(head_dim, causal, numerics):
+    result = _built("attention", head_dim, causal, numerics)
+    pv = f"m64n{head_dim}k32." + ("s32.s8.s8" if numerics == "int8_flash" else "f32.e4m3.e4m3")
+    qk = f"m64n{BLOCK_N}k32." + ("f32.e4m3.e4m3" if numerics == "fireq" else "s32.s8.s8")
+    # Q̂·K̂ᵀ on INT8 tensor cores (fireq: FP8), P̂·V̂ on the mode's (wgmma)
+    assert set(result["mma"]) == {qk, pv}, result["mma"]
     assert not result["serialized"], result["serialized"]
     assert SM90_SHARED_BYTES // result["shared"] >= (3 if head_dim == 128 else 4), result["shared"]
 
