@@ -227,10 +227,11 @@ def _softmax_block(s_int, scale7, ds_smem, ks_smem, qk_scale, key0, m_i, l_i, la
 
     ``s_int (64, BLOCK_N)`` the int32 Q̂·K̂ᵀ (exact in fp32: |Q̂·K̂ᵀ| < 2²⁴). Per-thread groups: ``scale7`` δQ δK per
     lane (:func:`_lane_scale_shape`), one multiply-add an element with ΔS_raw = q̄·K_j, and ``qk_scale`` =
-    log₂e/√d. ``TOKEN_SCALES``: S = (Q̂·K̂ᵀ) δK with δK ``(BLOCK_N,)`` from ``ks_smem``, and δQ enters with
-    ``qk_scale`` = δQ log₂e/√d ``(64,)`` a row. S, ``m_i`` and the returned max are raw scores (no ``qk_scale``,
-    which enters through the exp2's multiply-add): ΔS_raw's row constant q̄·K̄ (the reference's ΔS is q̄·(K_j − K̄))
-    shifts a row's scores and its max alike, so P̃ and α are the reference's up to fp32 rounding.
+    log₂e/√d. ``TOKEN_SCALES``: S = (Q̂·K̂ᵀ) δK with δK ``(BLOCK_N,)`` from ``ks_smem`` (None: ``s_int`` is already
+    the fp32 (Q̂·K̂ᵀ) δK), and δQ enters with ``qk_scale`` = δQ log₂e/√d ``(64,)`` a row. S, ``m_i`` and the
+    returned max are raw scores (no ``qk_scale``, which enters through the exp2's multiply-add): ΔS_raw's row
+    constant q̄·K̄ (the reference's ΔS is q̄·(K_j − K̄)) shifts a row's scores and its max alike, so P̃ and α are the
+    reference's up to fp32 rounding.
     ``MASKED``: keys past ``last_key (64,)`` of each row are −inf (the tail, causal). ``SIGNAL_MAX``: arrive on the
     mbarrier ``max_done`` once the row max is known. Returns ``p_hat`` (the A operand of P̃·V), the rescale
     ``alpha (64,)`` of what came before, and the new running max and sum ℓ (in units of P_MAX; with ``PV_INT8``
@@ -239,7 +240,9 @@ def _softmax_block(s_int, scale7, ds_smem, ks_smem, qk_scale, key0, m_i, l_i, la
     LOG2_PMAX: gl.constexpr = _log2_p_max(PV_INT8)
     s_mma: gl.constexpr = s_int.type.layout
     if TOKEN_SCALES:
-        s = s_int.to(gl.float32) * ks_smem.load(col_s)[None, :]
+        s = s_int.to(gl.float32)
+        if ks_smem is not None:
+            s = s * ks_smem.load(col_s)[None, :]
         row_scale = qk_scale[:, None]
     else:
         s7 = gl.reshape(s_int.to(gl.float32), _lane_scale_shape(BLOCK_N)) * scale7
