@@ -52,7 +52,9 @@ def entry_key(key: str, head_dim: int, causal: bool) -> str:
 
 
 # sm_90 (H100 / H200): `quantpatch tune --repeats 2` on an H200 (B=1, H=32, bf16;
-# eval/results/tune/crossovers-sm_90.json keeps the measured ratios, each the lower of two measurements).
+# eval/results/tune/crossovers-sm_90.json keeps the measured ratios, each the lower of two measurements); int8_flash
+# and fireq from `quantpatch tune --modes int8-flash fireq --repeats 2` once both ran the one-warpgroup sm_90 kernel
+# (eval/results/tune/crossovers-sm_90-token-scales.json).
 # Values: the crossover sequence length (queries and keys); None = the mode did not beat SDPA at the longest length
 # measured (32k). turbo's prefill (SAS), not in that run, ran 0.2-0.4x SDPA at every length in an earlier tune.
 SHIPPED: dict[str, dict[str, int | None]] = {
@@ -65,14 +67,14 @@ SHIPPED: dict[str, dict[str, int | None]] = {
         entry_key("sage2+smooth_q", 64, True): None,
         entry_key("sage2+smooth_q", 128, False): 8192,
         entry_key("sage2+smooth_q", 128, True): 16384,
-        entry_key("int8_flash", 64, False): None,
+        entry_key("int8_flash", 64, False): 32768,
         entry_key("int8_flash", 64, True): None,
         entry_key("int8_flash", 128, False): 8192,
         entry_key("int8_flash", 128, True): 8192,
-        entry_key("fireq", 64, False): None,
-        entry_key("fireq", 64, True): None,
-        entry_key("fireq", 128, False): 8192,
-        entry_key("fireq", 128, True): None,
+        entry_key("fireq", 64, False): 6144,
+        entry_key("fireq", 64, True): 8192,
+        entry_key("fireq", 128, False): 4096,
+        entry_key("fireq", 128, True): 6144,
         entry_key("turbo", 64, False): None,
         entry_key("turbo", 64, True): None,
         entry_key("turbo", 128, False): None,

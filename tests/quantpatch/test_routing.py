@@ -82,14 +82,19 @@ def test_a_tuned_user_table_takes_precedence(tmp_path):
 
 
 def test_the_shipped_sm90_table_is_the_measured_one():
+    """The full tune's table, with the entries of int8-flash and fireq (per-token scales) from the later tune of those
+    two modes, which replaces that run's; turbo never routed to its prefill kernel."""
     from pathlib import Path
 
-    measured = Path(__file__).resolve().parents[2] / "eval/results/tune/crossovers-sm_90.json"
+    results = Path(__file__).resolve().parents[2] / "eval/results/tune"
     shipped = dict(routing.SHIPPED["sm_90"])
     assert shipped.pop(routing.TURBO_CACHE) == 8 * 32768  # from model-level decode runs (its comment), not tune
     turbo = {key: shipped.pop(key) for key in list(shipped) if key.startswith("turbo/")}
     assert len(turbo) == 4 and set(turbo.values()) == {None}  # not in the measured run: never routed to its kernel
-    assert shipped == routing.read_table(measured)
+    measured = routing.read_table(results / "crossovers-sm_90.json")
+    token_scales = routing.read_table(results / "crossovers-sm_90-token-scales.json")
+    assert {key.split("/")[0] for key in token_scales} == {"int8_flash", "fireq"}
+    assert shipped == measured | token_scales
 
 
 def test_turbo_cache_crossover_is_shipped_kept_from_a_tuned_table_or_absent():
