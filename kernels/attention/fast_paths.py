@@ -17,8 +17,8 @@ through them; launched on the current stream):
 
 Which path each mode takes: ``sage2-8b``/``sage2-4b`` (INT8 tensor cores, INT4 values for 4b),
 ``int8-flash``, ``fireq`` and ``turbo``'s prefill (SAS exponential, per-tile P scale, per-block V
-scale) run these Triton kernels on sm_89/sm_90 (sm_80 for configs without FP8 operands). On sm_90, sage2-8b's and
-int8-flash's head_dim-64/128 calls from ``SM90_MIN_KEYS`` keys run the one-warpgroup Gluon kernel
+scale) run these Triton kernels on sm_89/sm_90 (sm_80 for configs without FP8 operands). On sm_90, sage2-8b's,
+int8-flash's and fireq's head_dim-64/128 calls from ``SM90_MIN_KEYS`` keys run the one-warpgroup Gluon kernel
 (:mod:`~quantpatch.kernels.attention.one_warpgroup_gluon`: several programs an SM hide each other's latency), and
 smooth-Q calls (sage2-4b) at head_dim 128 from ``GLUON_MIN_KEYS`` keys (causal: Nk - Nq a multiple of 128) the
 warp-specialised ping-pong kernel (:mod:`~quantpatch.kernels.attention.pingpong_gluon`); the numerics are the same.
@@ -494,7 +494,7 @@ try:
     _GLUON_IMPORT_ERROR = None
 except ImportError as _err:
     _attn_gluon, _attn_sm90, _GLUON_IMPORT_ERROR = None, None, str(_err)
-ATTENTION_GLUON = GluonGate("sage2 / int8-flash attention (head_dim 128)", "the Triton attention kernel",
+ATTENTION_GLUON = GluonGate("sage2 / int8-flash / fireq attention (head_dim 64, 128)", "the Triton attention kernel",
                             _GLUON_IMPORT_ERROR)
 # the launch plans of the prefill path: quantization (3 launches), then the Triton or the Gluon attention kernel
 PREFILL_PLANS = (qk_quant_triton._STATS_LAUNCH, qk_quant_triton._DELTA_S_LAUNCH, qk_quant_triton._KV_LAUNCH,
