@@ -24,16 +24,28 @@ SHAPES = [(1, 1), (113, 203), (239, 239), (1000, 1000), (203, 4096), (64, 4100)]
 CAUSAL_SHAPES = [(1, 1), (113, 203), (239, 113), (1000, 1000), (203, 4096), (64, 4100)]
 
 
+def _attention_config(mode):
+    """The attention config of ``mode``: a mode name, optionally with one boolean field set
+    (``"fireq+two_level_accum=1"``)."""
+    import quantpatch as qp
+
+    name, _, option = mode.partition("+")
+    cfg = qp.get_mode(name).attention
+    if option:
+        field, value = option.split("=")
+        cfg = dataclasses.replace(cfg, **{field: bool(int(value))})
+    return cfg
+
+
 def _operands(nq, nk, head_dim, mode, seed):
     """bf16 inputs with outliers (GQA: 4 heads over 2) and their quantized operands, Vᵀ's keys in the wgmma order."""
-    import quantpatch as qp
     from quantpatch.kernels.attention import fast_paths
     from quantpatch.kernels.attention.qk_quant_triton import quantize_qkv
 
     q, k, v = attention_inputs("outliers", batch=2, heads=4, kv_heads=2, seq_q=nq, seq_k=nk, head_dim=head_dim,
                                seed=seed)
     q, k, v = (t.to("cuda", torch.bfloat16) for t in (q, k, v))
-    cfg = qp.get_mode(mode).attention
+    cfg = _attention_config(mode)
     return quantize_qkv(q, k, v, **fast_paths.quant_options(cfg), v_key_order=True), cfg, (q, k, v)
 
 
@@ -43,7 +55,8 @@ def _operands(nq, nk, head_dim, mode, seed):
 @pytest.mark.parametrize("shape", range(len(SHAPES)))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("mode, stages", [("sage2-8b", 1), ("sage2-8b", 2), ("int8-flash", 2), ("fireq", 2)])
+@pytest.mark.parametrize("mode, stages", [("sage2-8b", 1), ("sage2-8b", 2), ("int8-flash", 2), ("fireq", 2),
+                                          ("fireq+two_level_accum=1", 2)])
 def test_gpu_sm90_matches_the_triton_kernel(shape, causal, head_dim, mode, stages):
     from quantpatch.kernels.attention.one_warpgroup_gluon import attn_qk_int8_pv_fp8_sm90
     from quantpatch.kernels.attention.pingpong_gluon import permute_v_keys
@@ -135,16 +148,11 @@ def test_route_prefers_the_sm90_kernel_where_it_measured_faster(monkeypatch, mod
     """On an sm_90 device (the gate mocked open): sage2 without smooth Q, int8-flash and fireq (one- or two-level P̂·V,
     ℓ from P̃) from SM90_MIN_KEYS keys, smooth Q (sage2-4b) on the ping-pong kernel at D=128, everything else on the
     Triton kernel; on a CPU, Triton."""
-    import quantpatch as qp
     from quantpatch.kernels.attention import fast_paths
 
     if fast_paths._attn_sm90 is None:
         pytest.skip(f"the Gluon kernels do not import here: {fast_paths._GLUON_IMPORT_ERROR}")
-    name, _, option = mode.partition("+")
-    cfg = qp.get_mode(name).attention
-    if option:
-        field, value = option.split("=")
-        cfg = dataclasses.replace(cfg, **{field: bool(int(value))})
+    cfg = _attention_config(mode)
     cpu = torch.device("cpu")
     assert fast_paths.attention_kernel(cfg, cpu, d, n, n, causal) == "triton"
 
