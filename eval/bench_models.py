@@ -24,7 +24,8 @@ Wan rows also cross-attend to 512 text tokens, LTX-Video to 128; HunyuanVideo's 
 Columns: ``sdpa`` (the unpatched model, PyTorch's SDPA backend choice: the baseline), ``sdpa-cudnn`` (unpatched,
 ``sdpa_kernel(CUDNN_ATTENTION)``), each quantpatch mode that runs without calibration (``--modes``), with
 ``--linear fp8`` each of them again as ``MODE+fp8`` (``patch_model(model, MODE, linear="fp8")``: the transformer
-blocks' linears in FP8) and ``off+fp8`` (FP8 linears, attention unpatched), and for
+blocks' linears in FP8; ``--linear-exclude`` keeps the linears whose name contains one of its substrings in bf16)
+and ``off+fp8`` (FP8 linears, attention unpatched), and for
 Diffusers rows ``diffusers-sage`` (``transformer.set_attention_backend("sage")``) when the ``sageattention``
 package is importable (skipped with a note otherwise). Each column gives ``ms`` (median), ``speedup`` (the
 ``sdpa`` time over the column's) and the output's CosSim and relative L1 against the ``sdpa`` column's output
@@ -431,9 +432,11 @@ def short_note(report: dict) -> str:
 
 
 @contextlib.contextmanager
-def column_setup(column: str, model: torch.nn.Module, record: dict, policy: str | None = None):
+def column_setup(column: str, model: torch.nn.Module, record: dict, policy: str | None = None,
+                 linear_exclude: Sequence[str] | None = None):
     """Put ``model`` in the state of ``column`` for the block (patched, a forced SDPA backend, Diffusers' sage
-    backend) and restore it after; ``record`` receives the patch report."""
+    backend) and restore it after; ``record`` receives the patch report. ``linear_exclude``: the
+    ``patch_model`` filter of the FP8 columns' linears."""
     if column == BASELINE:
         yield
     elif column == CUDNN:
@@ -459,6 +462,8 @@ def column_setup(column: str, model: torch.nn.Module, record: dict, policy: str 
         options = {} if policy is None else {"policy": policy}
         if linear:
             options["linear"] = linear
+            if linear_exclude:
+                options["linear_exclude"] = list(linear_exclude)
         with quantpatch.patch_model(model, mode, **options) as handle:
             try:
                 yield
@@ -480,7 +485,7 @@ def run_column(row: Row, column: str, call: Callable[[], Any], device: torch.dev
     if reason:
         return record | {"skipped": reason}, None
     try:
-        with torch.no_grad(), column_setup(column, model, record, args.policy):
+        with torch.no_grad(), column_setup(column, model, record, args.policy, args.linear_exclude):
             if row.kind == "decode":
                 for _ in range(args.warmup):  # untimed: the first generate() of a process runs cold (allocator)
                     call()
@@ -661,6 +666,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="cpu (or any non-CUDA device): tiny configs and inputs")
     p.add_argument("--linear", choices=["fp8"], default=None,
                    help="also run each mode (and the unpatched attention, 'off') with the blocks' linears in FP8")
+    p.add_argument("--linear-exclude", nargs="+", default=None, metavar="SUBSTRING",
+                   help="with --linear: linears whose name contains one of these stay bf16 (patch_model's "
+                        "linear_exclude), e.g. attn2.to_q attn2.to_out")
     p.add_argument("--policy", choices=["speed", "always"], default=None,
                    help="patch_model's policy (default: the library's default)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
@@ -682,6 +690,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.reps, args.decode_tokens = 1, 8
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.linear_exclude and not args.linear:
+        p.error("--linear-exclude filters the FP8 columns' linears: pass --linear fp8")
     if args.decode_tokens < 3:
         p.error("--decode-tokens must be at least 3 (two decode steps to time)")
     layer_cuts(args.layers)  # validate now, not after the first rows

@@ -195,6 +195,22 @@ def test_rounds_time_every_column_in_turn_and_report_the_median(bench, tmp_path,
         bench.main(["--device", "cpu", "--rounds", "0", "--out", str(tmp_path)])
 
 
+def test_linear_exclude_keeps_the_named_linears_of_the_fp8_columns(bench, tmp_path):
+    """``--linear-exclude attn2``: the FP8 columns keep every cross-attention linear of Wan's blocks in bf16 (the
+    report lists them as excluded) and swap the others; it needs ``--linear``."""
+    pytest.importorskip("matplotlib")
+    result = bench.main(["--device", "cpu", "--rows", "wan-1.3b", "--modes", "sage2-8b", "--reps", "1", "--policy",
+                         "always", "--linear", "fp8", "--linear-exclude", "attn2", "--out", str(tmp_path)])
+    reports = {r["column"]: r["report"]["text"] for r in result["rows"] if "report" in r}
+    for column in ("off+fp8", "sage2-8b+fp8"):
+        lines = [line for line in reports[column].splitlines()
+                 if line.lstrip().startswith("linear") and (".attn2." in line or ".ffn." in line)]
+        assert lines and all("excluded" in line for line in lines if ".attn2." in line), reports[column]
+        assert all("FP8Linear" in line for line in lines if ".ffn." in line), reports[column]
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--linear-exclude", "attn2", "--out", str(tmp_path)])
+
+
 def test_sage_column_restores_the_process_wide_backend(bench, monkeypatch):
     """``set_attention_backend`` also sets Diffusers' process-wide active backend: after the ``diffusers-sage``
     column every processor of every model (including ones built later) is back on the backend it had before."""
