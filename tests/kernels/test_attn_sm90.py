@@ -9,7 +9,6 @@ float64's as the Triton kernel's, within NOISE_FACTOR and LSE_ATOL. GPU only (Gl
 the launcher's checks run everywhere.
 """
 
-import dataclasses
 import math
 
 import pytest
@@ -24,28 +23,17 @@ SHAPES = [(1, 1), (113, 203), (239, 239), (1000, 1000), (203, 4096), (64, 4100)]
 CAUSAL_SHAPES = [(1, 1), (113, 203), (239, 113), (1000, 1000), (203, 4096), (64, 4100)]
 
 
-def _attention_config(mode):
-    """The attention config of ``mode``: a mode name, optionally with one boolean field set
-    (``"fireq+two_level_accum=1"``)."""
+def _operands(nq, nk, head_dim, mode, seed, options=None):
+    """bf16 inputs with outliers (GQA: 4 heads over 2) and their quantized operands, Vᵀ's keys in the wgmma order;
+    ``options``: attention fields overriding the mode's (``get_mode``)."""
     import quantpatch as qp
-
-    name, _, option = mode.partition("+")
-    cfg = qp.get_mode(name).attention
-    if option:
-        field, value = option.split("=")
-        cfg = dataclasses.replace(cfg, **{field: bool(int(value))})
-    return cfg
-
-
-def _operands(nq, nk, head_dim, mode, seed):
-    """bf16 inputs with outliers (GQA: 4 heads over 2) and their quantized operands, Vᵀ's keys in the wgmma order."""
     from quantpatch.kernels.attention import fast_paths
     from quantpatch.kernels.attention.qk_quant_triton import quantize_qkv
 
     q, k, v = attention_inputs("outliers", batch=2, heads=4, kv_heads=2, seq_q=nq, seq_k=nk, head_dim=head_dim,
                                seed=seed)
     q, k, v = (t.to("cuda", torch.bfloat16) for t in (q, k, v))
-    cfg = _attention_config(mode)
+    cfg = qp.get_mode(mode, **(options or {})).attention
     return quantize_qkv(q, k, v, **fast_paths.quant_options(cfg), v_key_order=True), cfg, (q, k, v)
 
 
@@ -55,15 +43,15 @@ def _operands(nq, nk, head_dim, mode, seed):
 @pytest.mark.parametrize("shape", range(len(SHAPES)))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("mode, stages", [("sage2-8b", 1), ("sage2-8b", 2), ("int8-flash", 2), ("fireq", 2),
-                                          ("fireq+two_level_accum=1", 2)])
-def test_gpu_sm90_matches_the_triton_kernel(shape, causal, head_dim, mode, stages):
+@pytest.mark.parametrize("mode, options, stages", [("sage2-8b", {}, 1), ("sage2-8b", {}, 2), ("int8-flash", {}, 2),
+                                                   ("fireq", {}, 2), ("fireq", {"two_level_accum": True}, 2)])
+def test_gpu_sm90_matches_the_triton_kernel(shape, causal, head_dim, mode, options, stages):
     from quantpatch.kernels.attention.one_warpgroup_gluon import attn_qk_int8_pv_fp8_sm90
     from quantpatch.kernels.attention.pingpong_gluon import permute_v_keys
     from quantpatch.kernels.attention.quant_attn_triton import attn_qk_int8_pv_fp8
 
     nq, nk = (CAUSAL_SHAPES if causal else SHAPES)[shape]
-    x, cfg, qkv = _operands(nq, nk, head_dim, mode, seed=nq + nk + head_dim)
+    x, cfg, qkv = _operands(nq, nk, head_dim, mode, seed=nq + nk + head_dim, options=options)
     plain = x._replace(v_hat_t=permute_v_keys(x.v_hat_t, inverse=True))
     ref, ref_lse = attn_qk_int8_pv_fp8(plain, nk, is_causal=causal, return_lse=True, block_q=cfg.block_q,
                                        block_m=64, block_n=128, num_warps=4, num_stages=2,
@@ -135,16 +123,16 @@ def test_sm90_launcher_rejects_operands_tma_cannot_read(field, bad):
         attn_qk_int8_pv_fp8_sm90(x._replace(**{field: bad(getattr(x, field))}), 100)
 
 
-@pytest.mark.parametrize("mode, d, causal, n, expected", [
-    ("sage2-8b", 128, False, 1024, "sm90"), ("sage2-8b", 64, False, 8192, "sm90"),
-    ("sage2-8b", 128, True, 2048, "triton"), ("sage2-8b", 128, True, 4096, "sm90"),
-    ("int8-flash", 64, True, 16384, "sm90"), ("sage2-8b", 128, False, 512, "triton"),
-    ("sage2-4b", 128, False, 8192, "gluon"), ("sage2-4b", 64, False, 8192, "triton"),
-    ("fireq", 128, False, 8192, "sm90"), ("fireq", 64, True, 8192, "sm90"), ("fireq", 128, False, 512, "triton"),
-    ("fireq+two_level_accum=1", 128, False, 8192, "sm90"), ("fireq+l_from_quantized_p=1", 128, False, 8192, "triton"),
-    ("turbo", 128, False, 8192, "triton"),
+@pytest.mark.parametrize("mode, options, d, causal, n, expected", [
+    ("sage2-8b", {}, 128, False, 1024, "sm90"), ("sage2-8b", {}, 64, False, 8192, "sm90"),
+    ("sage2-8b", {}, 128, True, 2048, "triton"), ("sage2-8b", {}, 128, True, 4096, "sm90"),
+    ("int8-flash", {}, 64, True, 16384, "sm90"), ("sage2-8b", {}, 128, False, 512, "triton"),
+    ("sage2-4b", {}, 128, False, 8192, "gluon"), ("sage2-4b", {}, 64, False, 8192, "triton"),
+    ("fireq", {}, 128, False, 8192, "sm90"), ("fireq", {}, 64, True, 8192, "sm90"),
+    ("fireq", {}, 128, False, 512, "triton"), ("fireq", {"two_level_accum": True}, 128, False, 8192, "sm90"),
+    ("fireq", {"l_from_quantized_p": True}, 128, False, 8192, "triton"), ("turbo", {}, 128, False, 8192, "triton"),
 ])
-def test_route_prefers_the_sm90_kernel_where_it_measured_faster(monkeypatch, mode, d, causal, n, expected):
+def test_route_prefers_the_sm90_kernel_where_it_measured_faster(monkeypatch, mode, options, d, causal, n, expected):
     """On an sm_90 device (the gate mocked open): sage2 without smooth Q, int8-flash and fireq (one- or two-level P̂·V,
     ℓ from P̃) from SM90_MIN_KEYS keys, smooth Q (sage2-4b) on the ping-pong kernel at D=128, everything else on the
     Triton kernel; on a CPU, Triton."""
@@ -152,7 +140,9 @@ def test_route_prefers_the_sm90_kernel_where_it_measured_faster(monkeypatch, mod
 
     if fast_paths._attn_sm90 is None:
         pytest.skip(f"the Gluon kernels do not import here: {fast_paths._GLUON_IMPORT_ERROR}")
-    cfg = _attention_config(mode)
+    import quantpatch as qp
+
+    cfg = qp.get_mode(mode, **options).attention
     cpu = torch.device("cpu")
     assert fast_paths.attention_kernel(cfg, cpu, d, n, n, causal) == "triton"
 
