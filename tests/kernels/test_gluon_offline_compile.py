@@ -55,24 +55,36 @@ def _sm90(kernel, types: dict, constexprs: dict, aligned: list, options: dict):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+MODE_OF = {"sage2": "sage2-8b", "int8_flash": "int8-flash", "fireq": "fireq"}  # a mode of each numerics family
+
+
 def _attention(head_dim: int, causal: bool, numerics: str):
-    """The one-warpgroup kernel as its launcher builds it for ``numerics`` (``sage2``, ``int8_flash``, ``fireq``)."""
+    """The one-warpgroup kernel as its launcher (``Sm90Launch``) builds it for ``numerics`` (``sage2``,
+    ``int8_flash``, ``fireq``): its constexprs, options and descriptor layouts, from CPU operands of those formats."""
+    import torch
+
+    from quantpatch.kernels.attention.qk_quant_triton import QuantizedQKV
+
+    cfg = get_mode(MODE_OF[numerics]).attention
+    fp8, empty = torch.float8_e4m3fn, torch.empty(0)
+    qk_dtype = fp8 if numerics == "fireq" else torch.int8
+    v_dtype = torch.int8 if numerics == "int8_flash" else fp8
+    v_scale = torch.ones(1 if cfg.v_granularity == "tensor" else (1, 1, head_dim))
+    x = QuantizedQKV(torch.zeros(1, 1, 64, head_dim).to(qk_dtype), torch.ones(1, 1, 64), empty,
+                     torch.zeros(1, 1, BLOCK_N, head_dim).to(qk_dtype), torch.ones(1, 1, BLOCK_N), empty, empty,
+                     torch.zeros(1, 1, head_dim, BLOCK_N).to(v_dtype), v_scale, empty)
+    launch = owg.Sm90Launch(x, BLOCK_N, qk_granularity=cfg.qk_granularity, is_causal=causal, return_lse=True,
+                            two_level_accum=cfg.two_level_accum)
     kernel = owg._attn_sm90_kernel
-    int8_flash, fireq = numerics == "int8_flash", numerics == "fireq"
-    k_layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, head_dim), element_bitwidth=8, rank=2)
-    v_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-    vec_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    qk = "fp8e4nv" if fireq else "i8"
+    k_layout, v_layout, vec_layout = owg.shared_layouts(head_dim, BLOCK_N)
+    qk, v = ("fp8e4nv" if t is fp8 else "i8" for t in (qk_dtype, v_dtype))
     types = dict(Q_ptr=f"*{qk}", QS_ptr="*fp32", KS_ptr="*fp32", VS_ptr="*fp32", VM_ptr="*fp32", O_ptr="*bf16",
                  LSE_ptr="*fp32", stride_ob="i64", stride_oh="i64", stride_om="i64", qk_scale="fp32",
                  k_desc=f"tensordesc<{qk}[{BLOCK_N}, {head_dim}],{k_layout!r}>",
-                 vt_desc=f"tensordesc<{'i8' if int8_flash else 'fp8e4nv'}[{head_dim}, {BLOCK_N}],{v_layout!r}>",
+                 vt_desc=f"tensordesc<{v}[{head_dim}, {BLOCK_N}],{v_layout!r}>",
                  ks_desc=f"tensordesc<fp32[{BLOCK_N}],{vec_layout!r}>")
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=owg.DEFAULT_STAGES, CAUSAL=causal, SMOOTH_V=False,
-                      RETURN_LSE=True, TOKEN_SCALES=numerics != "sage2", QK_FP8=fireq, PV_INT8=int8_flash,
-                      V_TENSOR=numerics != "sage2", TWO_LEVEL=not fireq)
     aligned = [n for n in kernel.arg_names if n.endswith("_ptr")] + ["stride_ob", "stride_oh", "stride_om", "NK_PAD"]
-    return _sm90(kernel, types, constexprs, aligned, owg.compile_options(head_dim))
+    return _sm90(kernel, types, launch.constexprs, aligned, launch.options)
 
 
 def _pingpong(causal: bool, warpgroups: int, int8_flash: bool):
