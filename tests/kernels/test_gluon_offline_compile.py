@@ -6,8 +6,8 @@ their launchers do, in a process without ``TRITON_INTERPRET``, and checks each b
 instructions of its numerics, that ptxas kept its wgmma asynchronous (no serialization advisory) and that it fits the
 shared memory that lets its programs share an SM:
 
-* the one-warpgroup attention kernel: head_dim 64 and 128, causal or not, sage2 and int8-flash operands, the
-  launcher's register cap;
+* the one-warpgroup attention kernel: head_dim 64 and 128, causal or not, sage2, int8-flash and fireq operands, as
+  its launcher builds them (constexprs, register cap);
 * the ping-pong attention kernel: sage2 with smooth Q's ΔS (two warpgroups taking turns, causal or not) and
   int8-flash (three in series), at its launcher's ring depths;
 * the TurboAttention decode kernel: one split (the reference's roundings) and several (the merge);
