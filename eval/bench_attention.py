@@ -232,8 +232,8 @@ def speed_rows(args) -> list[dict]:
             add(mode, "quant", bench(lambda i, o=opts: fast_paths.quantize_qkv_op(*sets[i], **o), n_sets,
                                      args.warmup, args.rep))
             parts = [fast_paths.quantize_qkv_op(*s, **opts) for s in sets]
-            add(mode, "kernel", bench(lambda i, p=parts, e=extra: fast_paths.attn_qk_int8_pv_fp8_op(
-                sets[i][0], *p[i], *e), n_sets, args.warmup, args.rep))
+            add(mode, "kernel", bench(lambda i, p=parts, e=extra: fast_paths.attn_qk_int8_pv_fp8_op(*p[i], *e),
+                                      n_sets, args.warmup, args.rep))
             parts = None
         eager = {r["impl"]: r["ms"] for r in shape_rows if r["impl"] in BASELINES and r["kind"] == "kernel"}
         graphed = {r["impl"]: r["ms"] for r in shape_rows if r["impl"] in BASELINES and r["kind"] == "graph"}

@@ -192,11 +192,9 @@ def _fireq_numerics(cfg: AttentionConfig) -> bool:
 
 def sm90_takes(cfg: AttentionConfig, head_dim: int, nq: int, nk: int, is_causal: bool) -> bool:
     """Whether :func:`~quantpatch.kernels.attention.one_warpgroup_gluon.attn_qk_int8_pv_fp8_sm90` computes this call (on
-    sm_90): the Gluon numerics or FireQ's, without smooth Q (sage2-8b, int8-flash, fireq), per-thread Q groups within
-    a program's 64 rows (it quantizes Q itself), head_dim 64 or 128, at least ``SM90_MIN_KEYS[is_causal]`` keys
-    (where it ran faster than the Triton kernel, kernel only, H200)."""
+    sm_90): the Gluon numerics or FireQ's, without smooth Q (sage2-8b, int8-flash, fireq), head_dim 64 or 128, at
+    least ``SM90_MIN_KEYS[is_causal]`` keys (where it ran faster than the Triton kernel, kernel only, H200)."""
     return (_attn_sm90 is not None and (_gluon_numerics(cfg) or _fireq_numerics(cfg)) and not cfg.smooth_q
-            and (cfg.qk_granularity != "thread" or cfg.block_q // cfg.warps <= _attn_sm90.BLOCK_M)
             and head_dim in _attn_sm90.HEAD_DIMS and nk >= SM90_MIN_KEYS[is_causal])
 
 
@@ -217,7 +215,7 @@ def attention_kernel(cfg: AttentionConfig, device: torch.device, head_dim: int, 
 
 
 def _quantized_meta(q, k, *, qk_format, smooth_q, smooth_k, smooth_v, pv_format, v_granularity, block_q, block_k,
-                    pad_to, quantize_q) -> list[torch.Tensor]:
+                    pad_to) -> list[torch.Tensor]:
     """Empty tensors shaped like :func:`quantize_qkv`'s outputs (for ``register_fake``)."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
@@ -231,8 +229,7 @@ def _quantized_meta(q, k, *, qk_format, smooth_q, smooth_k, smooth_v, pv_format,
 
     v_scale_shape = {"channel": (b, hkv, d), "tensor": (1,), "block": (b, hkv, nk_pad // block_k)}[v_granularity]
     return [
-        new((b, h, nq, d) if quantize_q else (0,), qk_dtype), new((b, h, nq) if quantize_q else (0,)),
-        new((b, h, nqb, d) if smooth_q else (0,)),
+        new((b, h, nq, d), qk_dtype), new((b, h, nq)), new((b, h, nqb, d) if smooth_q else (0,)),
         new((b, hkv, nk_pad, d), qk_dtype), new((b, hkv, nk_pad)), new((b, hkv, d) if smooth_k else (0,)),
         new((b, h, nqb, nk_pad) if smooth_q else (0,)), new((b, hkv, d, nk_pad), v_dtype),
         new(v_scale_shape), new((b, hkv, d) if smooth_v else (0,)),
@@ -244,57 +241,47 @@ def quantize_qkv_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str, qk_granularity: str, qk_qmax: int,
     smooth_q: bool, smooth_k: bool, smooth_v: bool, pv_format: str, pv_qmax: int, v_granularity: str,
     block_q: int, block_k: int, warps: int, pad_to: int, v_key_order: bool = False, is_causal: bool = False,
-    quantize_q: bool = True,
 ) -> list[torch.Tensor]:
     """Custom-op form of :func:`quantize_qkv` (returns the fields of ``QuantizedQKV`` as a list)."""
     out = quantize_qkv(
         q, k, v, qk_format=qk_format, qk_granularity=qk_granularity, qk_qmax=qk_qmax, smooth_q=smooth_q,
         smooth_k=smooth_k, smooth_v=smooth_v, pv_format=pv_format, pv_qmax=pv_qmax, v_granularity=v_granularity,
         block_q=block_q, block_k=block_k, warps=warps, pad_to=pad_to, v_key_order=v_key_order, is_causal=is_causal,
-        quantize_q=quantize_q,
     )
     return list(out)
 
 
 @quantize_qkv_op.register_fake
 def _(q, k, v, qk_format, qk_granularity, qk_qmax, smooth_q, smooth_k, smooth_v, pv_format, pv_qmax, v_granularity,
-      block_q, block_k, warps, pad_to, v_key_order=False, is_causal=False, quantize_q=True):
+      block_q, block_k, warps, pad_to, v_key_order=False, is_causal=False):
     return _quantized_meta(q, k, qk_format=qk_format, smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v,
                            pv_format=pv_format, v_granularity=v_granularity, block_q=block_q, block_k=block_k,
-                           pad_to=pad_to, quantize_q=quantize_q)
+                           pad_to=pad_to)
 
 
 def _attend(
-    q: torch.Tensor, q_hat: torch.Tensor, q_scale: torch.Tensor, q_mean: torch.Tensor, k_hat: torch.Tensor,
-    k_scale: torch.Tensor, k_mean: torch.Tensor, delta_s: torch.Tensor, v_hat_t: torch.Tensor, v_scale: torch.Tensor,
-    v_mean: torch.Tensor, nk: int, is_causal: bool, sm_scale: float, return_lse: bool, out_dtype: torch.dtype,
-    block_q: int, l_from_quantized_p: bool, two_level_accum: bool, block_m: int, block_n: int, num_warps: int,
-    num_stages: int, turbo: bool, p_qmax: int, kernel: str, qk_granularity: str, qk_qmax: int, warps: int,
+    q_hat: torch.Tensor, q_scale: torch.Tensor, q_mean: torch.Tensor, k_hat: torch.Tensor, k_scale: torch.Tensor,
+    k_mean: torch.Tensor, delta_s: torch.Tensor, v_hat_t: torch.Tensor, v_scale: torch.Tensor, v_mean: torch.Tensor,
+    nk: int, is_causal: bool, sm_scale: float, return_lse: bool, out_dtype: torch.dtype, block_q: int,
+    l_from_quantized_p: bool, two_level_accum: bool, block_m: int, block_n: int, num_warps: int, num_stages: int,
+    turbo: bool, p_qmax: int, kernel: str, qk_granularity: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attn_qk_int8_pv_fp8` over ``q (B, H, Nq, D)`` and the fields of ``QuantizedQKV`` (the custom op's
-    body); ``kernel`` (from :func:`attention_kernel`): ``"sm90"`` (which quantizes ``q`` itself: operands quantized
-    with ``quantize_q=False``) or ``"gluon"`` (both with ``v_key_order``) run the Gluon kernels, ``"triton"`` the
-    Triton one (``q`` unused)."""
+    """:func:`attn_qk_int8_pv_fp8` over the fields of ``QuantizedQKV`` (the custom op's body); ``kernel`` (from
+    :func:`attention_kernel`): ``"sm90"`` or ``"gluon"`` (operands quantized with ``v_key_order``) run the Gluon
+    kernels, ``"triton"`` the Triton one."""
     x = QuantizedQKV(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean)
     if kernel != "triton":
         try:
             if kernel == "sm90":
-                return _attn_sm90.attn_qk_int8_pv_fp8_sm90(q, x, nk, qk_granularity=qk_granularity, qk_qmax=qk_qmax,
-                                                           warp_rows=block_q // warps, is_causal=is_causal,
+                return _attn_sm90.attn_qk_int8_pv_fp8_sm90(x, nk, qk_granularity=qk_granularity, is_causal=is_causal,
                                                            sm_scale=sm_scale, return_lse=return_lse,
                                                            out_dtype=out_dtype, two_level_accum=two_level_accum)
             return _attn_gluon.attn_qk_int8_gluon(x, nk, qk_granularity=qk_granularity, is_causal=is_causal,
                                                   sm_scale=sm_scale, return_lse=return_lse, out_dtype=out_dtype,
                                                   block_q=block_q, v_keys_permuted=v_hat_t)
         except triton.CompilationError as err:  # a Triton whose Gluon API differs: warn once, Triton serves
-            ATTENTION_GLUON.close(q.device, err)
+            ATTENTION_GLUON.close(q_hat.device, err)
             x = x._replace(v_hat_t=_attn_gluon.permute_v_keys(v_hat_t, inverse=True))
-            if kernel == "sm90":  # Q left to the kernel: quantized here, to the pass's bits
-                fmt = "fp8_e4m3" if k_hat.dtype == torch.float8_e4m3fn else "int8"
-                q_hat, q_scale = qk_quant_triton.quantize_qk_ref(q.float(), "q", block_q, qk_format=fmt,
-                                                                 qk_granularity=qk_granularity, qk_qmax=qk_qmax,
-                                                                 warps=warps)
-                x = x._replace(q_hat=q_hat.contiguous(), q_scale=q_scale.squeeze(-1).contiguous())
     return attn_qk_int8_pv_fp8(
         x, nk, is_causal=is_causal, sm_scale=sm_scale, return_lse=return_lse, out_dtype=out_dtype, block_q=block_q,
         l_from_quantized_p=l_from_quantized_p, two_level_accum=two_level_accum, block_m=block_m, block_n=block_n,
@@ -306,12 +293,12 @@ attn_qk_int8_pv_fp8_op = torch.library.custom_op("quantpatch::attn_qk_int8_pv_fp
 
 
 @attn_qk_int8_pv_fp8_op.register_fake
-def _(q, q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean, nk, is_causal,
-      sm_scale, return_lse, out_dtype, block_q, l_from_quantized_p, two_level_accum, block_m, block_n, num_warps,
-      num_stages, turbo, p_qmax, kernel, qk_granularity, qk_qmax, warps):
-    b, h, nq, d = q.shape
+def _(q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_scale, v_mean, nk, is_causal, sm_scale,
+      return_lse, out_dtype, block_q, l_from_quantized_p, two_level_accum, block_m, block_n, num_warps, num_stages,
+      turbo, p_qmax, kernel, qk_granularity):
+    b, h, nq, d = q_hat.shape
     lse_shape = (b, h, nq) if return_lse else (0,)
-    return q.new_empty((b, h, nq, d), dtype=out_dtype), q.new_empty(lse_shape, dtype=torch.float32)
+    return q_hat.new_empty((b, h, nq, d), dtype=out_dtype), q_hat.new_empty(lse_shape, dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------- the implementation
@@ -321,8 +308,7 @@ def _(q, q_hat, q_scale, q_mean, k_hat, k_scale, k_mean, delta_s, v_hat_t, v_sca
 def _prefill_static(cfg: AttentionConfig, head_dim: int, is_causal: bool, kernel: str) -> tuple[dict, dict]:
     """``quantize_qkv``'s keywords and :func:`kernel_blocks` of a call, made once per (config, head_dim, causal,
     kernel): a frozen config hashes in a fraction of a µs, less than building these."""
-    return (quant_options(cfg) | dict(v_key_order=kernel != "triton", is_causal=is_causal,
-                                      quantize_q=kernel != "sm90"),
+    return (quant_options(cfg) | dict(v_key_order=kernel != "triton", is_causal=is_causal),
             kernel_blocks(cfg, head_dim))
 
 
@@ -338,7 +324,7 @@ def prefill_options(cfg: AttentionConfig, device: torch.device, head_dim: int, n
         kb = blocks
     options = (nk, is_causal, sm_scale, return_lse, out_dtype, cfg.block_q, cfg.l_from_quantized_p,
                cfg.two_level_accum, kb["block_m"], kb["block_n"], kb["num_warps"], kb["num_stages"],
-               cfg.exp == "sas", cfg.pv_qmax, kernel, cfg.qk_granularity, cfg.qk_qmax, cfg.warps)
+               cfg.exp == "sas", cfg.pv_qmax, kernel, cfg.qk_granularity)
     return quant_kw, options
 
 
@@ -360,14 +346,13 @@ class Sm90Prefill:
                                             out_dtype=q.dtype)
         plan = qk_quant_triton.QuantizePlan(q, k, v, **quant_kw)
         parts = plan.quantize(q, k, v)
-        o, self.lse = _attend(q, *parts, *options)
+        o, self.lse = _attend(*parts, *options)
         if ATTENTION_GLUON.unsupported(q.device) is None:  # the Gluon kernel ran: its plans are made
-            cfg = self.cfg
             self.quantize = plan
-            self.attend = _attn_sm90.Sm90Launch(q, parts, k.shape[2], qk_granularity=cfg.qk_granularity,
-                                                qk_qmax=cfg.qk_qmax, warp_rows=cfg.block_q // cfg.warps,
-                                                is_causal=self.is_causal, sm_scale=self.sm_scale, out_dtype=q.dtype,
-                                                two_level_accum=cfg.two_level_accum)
+            self.attend = _attn_sm90.Sm90Launch(parts, k.shape[2],
+                                                qk_granularity=self.cfg.qk_granularity, is_causal=self.is_causal,
+                                                sm_scale=self.sm_scale, out_dtype=q.dtype,
+                                                two_level_accum=self.cfg.two_level_accum)
         return o
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,7 +366,7 @@ class Sm90Prefill:
         o = torch.empty(self.attend.out_shape, device=device, dtype=q.dtype)
         try:
             plan.launch(q, k, v, x, scratch)
-            self.attend(q, x, o, self.lse, device=device.index)
+            self.attend(x, o, self.lse, device=device.index)
         except LookupError:  # a launch plan was cleared: the general path makes it again
             self.attend = None
             return self._general(q, k, v), self.lse
@@ -444,7 +429,7 @@ def quantized_attention(
                                         sm_scale=sm_scale, return_lse=return_lse, out_dtype=q.dtype, blocks=blocks)
     parts = quantize(q, k, v, **quant_kw)
     attend = attn_qk_int8_pv_fp8_op if compiling else _attend
-    o, lse = attend(q, *parts, *options)
+    o, lse = attend(*parts, *options)
     if return_lse and cfg.smooth_k:  # the kernel's LSE is that of the K-smoothed scores
         lse = lse + sm_scale * smooth_k_lse_shift(q.float(), parts[5])
     return o, lse

@@ -8,10 +8,8 @@ variants, int8-flash (per-token Q and K scales, P̂ = rne(127 P̃), INT8 P̂·V,
 by default, one V scale). Causal (bottom-right aligned, any Nk - Nq) or not, any Nq / Nk (tails masked), GQA,
 optional LSE, head_dim 64 or 128.
 
-A program is one warpgroup (4 warps) over 64 query rows. It reads its rows of Q in bf16/fp16 and quantizes them as
-the quantization pass would (the same groups, scales and bits; the pass then reads and writes only K and V) into
-shared memory. K and Vᵀ blocks of ``BLOCK_N`` keys come by TMA into ``STAGES``-deep rings, each slot refilled as soon
-as every warp is done with it.
+A program is one warpgroup (4 warps) over 64 query rows. Its Q tile sits in shared memory; K and Vᵀ blocks of
+``BLOCK_N`` keys come by TMA into ``STAGES``-deep rings, each slot refilled as soon as every warp is done with it.
 Per key block::
 
     wait K_j; S = Q̂·K̂_jᵀ (wgmma, both operands in shared memory); refill K's slot with block j + STAGES
@@ -52,19 +50,16 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..compiled_launch import LaunchPlans, cdiv, specialization
 from ..gluon_compat import cta_barrier, tma_load
-from ..quant_ref import FP8_MAX
-from ..rounding_triton import _div_by, _rne, _to_fp8e4m3
 from .pingpong_gluon import (
     _block_pv,
     _lane_k_scale,
-    _lane_q_scale,
     _lane_scale_shape,
     _log2_p_max,
     _pv_operand,
-    _row_keys,
     _softmax_block,
     _store_lse,
     _store_output,
+    _warpgroup_rows,
     check_operand_formats,
 )
 from .qk_quant_triton import QuantizedQKV
@@ -137,45 +132,6 @@ def _softmax_lane_scaled(s_int, scale7, qk_scale, key0, m_i, l_i, last_key, BLOC
 
 
 @gluon.jit
-def _quantize_q(Q_ptr, q_base, m0, stride_qn, NQ, qk_scale, HEAD_DIM: gl.constexpr, QMAX: gl.constexpr,
-                Q_SEG: gl.constexpr, QK_FP8: gl.constexpr, TOKEN_SCALES: gl.constexpr, ld: gl.constexpr,
-                row_s: gl.constexpr, lane7: gl.constexpr):
-    """The program's 64 query rows from ``m0`` on, quantized as the pass quantizes Q without smoothing
-    (``qk_quant_triton._quant_q_block``: δ = absmax(group) / QMAX, 1 for an all-zero group, Q̂ = clamp(rne(Q / δ))
-    or e4m3(Q / δ), IEEE quotients), so Q is read once, as bf16/fp16, and never written back. Groups: one a row
-    (``TOKEN_SCALES``), or SageAttention2's per-thread groups, rows 8k + i of a ``Q_SEG``-row segment sharing group
-    i (``quant_ref.token_group_index``). Rows past ``NQ`` are 0 (δ = 1). Returns Q̂ ``(64, D)`` in ``ld``, δQ of each
-    lane's rows (16w + i; 16w + 8 + i shares it) shaped (4, 1, 8, 1, 1, 1, 1) in ``lane7``, and the softmax scale:
-    ``qk_scale``, or with ``TOKEN_SCALES`` each row's δQ times it ``(64,)``."""
-    ROWS: gl.constexpr = 64
-    rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
-    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
-    x = gl.load(Q_ptr + q_base + rows[:, None].to(gl.int64) * stride_qn + d[None, :], mask=rows[:, None] < NQ,
-                other=0.0).to(gl.float32)
-    amax = gl.max(gl.abs(x), 1)
-    vec: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
-    g3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1], threads_per_warp=[1, 4, 8],
-                                        warps_per_cta=[4, 1, 1], order=[2, 1, 0])
-    if not TOKEN_SCALES:  # a segment's rows 8k + i share group i: the max over k, broadcast back
-        seg = gl.reshape(gl.convert_layout(amax, vec), [ROWS // Q_SEG, Q_SEG // 8, 8])
-        seg = gl.convert_layout(seg, g3)
-        seg = gl.expand_dims(gl.max(seg, 1), 1) + gl.zeros([ROWS // Q_SEG, Q_SEG // 8, 8], gl.float32, layout=g3)
-        amax = gl.convert_layout(gl.reshape(seg, [ROWS]), gl.SliceLayout(1, ld))
-    scale = gl.div_rn(amax, QMAX)
-    scale = gl.where(scale == 0.0, 1.0, scale)
-    y = _div_by(x, scale[:, None])
-    if QK_FP8:
-        q_hat = _to_fp8e4m3(y, False)  # cvt.rn.satfinite: Gluon kernels run on the GPU only
-    else:
-        q_hat = gl.minimum(gl.maximum(_rne(y), -QMAX), QMAX).to(gl.int8)
-    # rows 16w + i and 16w + 8 + i share a group (their max is either's δQ)
-    qs = _lane_q_scale(gl.max(gl.convert_layout(gl.reshape(gl.convert_layout(scale, vec), [4, 2, 8]), g3), 1), lane7)
-    if TOKEN_SCALES:
-        qk_scale = gl.convert_layout(scale, row_s) * qk_scale
-    return q_hat, qs, qk_scale
-
-
-@gluon.jit
 def _attend_block(j, q_s, k_s, v_s, ks_s, k_bar, v_bar, k_desc, vt_desc, ks_desc, KS_ptr, k_row, v_row, n_blocks,
                   qs, qk_scale, last_key, m_i, l_i, acc, zero_s, zero_o, lane7: gl.constexpr,
                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TOKEN_SCALES: gl.constexpr,
@@ -237,12 +193,12 @@ def _attend_block(j, q_s, k_s, v_s, ks_s, k_bar, v_bar, k_desc, vt_desc, ks_desc
 
 @gluon.jit
 def _attn_sm90_kernel(
-    Q_ptr, k_desc, vt_desc, ks_desc, KS_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr,
-    stride_qb, stride_qh, stride_qn, stride_ob, stride_oh, stride_om,
+    Q_ptr, k_desc, vt_desc, ks_desc, QS_ptr, KS_ptr, VS_ptr, VM_ptr, O_ptr, LSE_ptr,
+    stride_ob, stride_oh, stride_om,
     NQ, NK, NK_PAD, H, GROUP, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     SMOOTH_V: gl.constexpr, RETURN_LSE: gl.constexpr, TOKEN_SCALES: gl.constexpr, QK_FP8: gl.constexpr,
-    QMAX: gl.constexpr, Q_SEG: gl.constexpr, PV_INT8: gl.constexpr, V_TENSOR: gl.constexpr, TWO_LEVEL: gl.constexpr,
+    PV_INT8: gl.constexpr, V_TENSOR: gl.constexpr, TWO_LEVEL: gl.constexpr,
 ):
     """Program ``(q block of 64 rows, b·H + h)`` (causal: the last q block first, it has the most keys), 4 warps."""
     WG_ROWS: gl.constexpr = 64
@@ -291,17 +247,19 @@ def _attn_sm90_kernel(
             _load_kv(k_desc, vt_desc, ks_desc, k_s, v_s, ks_s, k_bar, v_bar, i, k_row, v_row,
                      _key_block(i, n_blocks, BLOCK_N), HEAD_DIM, BLOCK_N, TOKEN_SCALES)
 
-    # the Q tile quantized (int8 or e4m3, as K) into shared memory, under the first K/V loads
-    lane7: gl.constexpr = gl.reshape(gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_mma),
-                                     _lane_scale_shape(BLOCK_N)).type.layout
-    q_hat, qs, qk_scale = _quantize_q(Q_ptr, b.to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh, m0, stride_qn,
-                                      NQ, qk_scale, HEAD_DIM, QMAX, Q_SEG, QK_FP8, TOKEN_SCALES, ld, row_s, lane7)
+    # the Q tile (int8 or e4m3, as K) into shared memory, under the first K/V loads
     q_s = gl.allocate_shared_memory(k_desc.dtype, [WG_ROWS, HEAD_DIM], k_desc.layout)
-    q_s.store(q_hat)
+    rows_ld = m0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, ld))
+    d_ld = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+    q_s.store(gl.load(Q_ptr + (pid_bh.to(gl.int64) * NQ + rows_ld[:, None]) * HEAD_DIM + d_ld[None, :],
+                      mask=rows_ld[:, None] < NQ, other=0.0))
     hopper.fence_async_shared()
     cta_barrier()
 
-    rows, last_key = _row_keys(m0, NQ, NK, row_s, CAUSAL)
+    lane7: gl.constexpr = gl.reshape(gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_mma),
+                                     _lane_scale_shape(BLOCK_N)).type.layout
+    rows, last_key, qs, qk_scale = _warpgroup_rows(m0, NQ, NK, QS_ptr, pid_bh, qk_scale, row_s, lane7, CAUSAL,
+                                                   TOKEN_SCALES)
 
     zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.float32 if QK_FP8 else gl.int32, layout=s_mma)
     zero_o = gl.zeros([WG_ROWS, HEAD_DIM], gl.int32 if PV_INT8 else gl.float32, layout=o_mma)
@@ -346,15 +304,16 @@ def compile_options(head_dim: int) -> dict:
 
 
 def operand_numerics(x: QuantizedQKV, qk_granularity: str) -> tuple[bool, bool, bool]:
-    """The numerics family of ``x``'s operand formats (Q/K's is K̂'s: the kernel quantizes Q to it), checked:
-    ``(qk_fp8, pv_int8, v_tensor)``. Those of :func:`~quantpatch.kernels.attention.pingpong_gluon.check_operand_formats`
-    (sage2, int8-flash), and FireQ's: e4m3 K with per-token scales, e4m3 V with one scale."""
-    if x.k_hat.dtype != torch.float8_e4m3fn:
-        pv_int8 = check_operand_formats(x, x.k_hat.dtype, qk_granularity, "attn_qk_int8_pv_fp8_sm90")
+    """The numerics family of ``x``'s operand formats, checked: ``(qk_fp8, pv_int8, v_tensor)``. Those of
+    :func:`~quantpatch.kernels.attention.pingpong_gluon.check_operand_formats` (sage2, int8-flash), and FireQ's: e4m3
+    Q/K with per-token scales, e4m3 V with one scale."""
+    if x.q_hat.dtype != torch.float8_e4m3fn:
+        pv_int8 = check_operand_formats(x, qk_granularity, "attn_qk_int8_pv_fp8_sm90")
         return False, pv_int8, pv_int8
-    if x.v_hat_t.dtype != torch.float8_e4m3fn or x.v_scale.numel() != 1 or qk_granularity != "token":
+    if (x.k_hat.dtype != torch.float8_e4m3fn or x.v_hat_t.dtype != torch.float8_e4m3fn or x.v_scale.numel() != 1
+            or qk_granularity != "token"):
         raise ValueError("attn_qk_int8_pv_fp8_sm90 takes e4m3 Q/K with per-token scales and e4m3 V with one scale "
-                         f"(fireq); got V̂ {x.v_hat_t.dtype} with {x.v_scale.numel()} scales, "
+                         f"(fireq); got K̂ {x.k_hat.dtype}, V̂ {x.v_hat_t.dtype} with {x.v_scale.numel()} scales, "
                          f"qk_granularity={qk_granularity!r}")
     return True, False, True
 
@@ -367,28 +326,19 @@ def _rebased(desc: TensorDescriptor, base) -> TensorDescriptor:
 
 
 class Sm90Launch:
-    """One launch signature of :func:`attn_qk_int8_pv_fp8_sm90` (Q's and the operands' shapes, strides, dtypes and
-    alignment, ``nk`` and the options): its checks, grid, integer arguments, constexprs, TMA descriptors and
-    launch-plan key made once from ``q`` and operands ``x``; :meth:`__call__` launches over inputs of that signature,
-    as tensors or as :class:`~quantpatch.kernels.compiled_launch.DevicePointer` s once a launch with tensors made the
-    plan."""
+    """One launch signature of :func:`attn_qk_int8_pv_fp8_sm90` (the operands' shapes, dtypes and alignment, ``nk``
+    and the options): its checks, grid, integer arguments, constexprs, TMA descriptors and launch-plan key made
+    once from operands ``x``; :meth:`__call__` launches over operands of that signature, as tensors or as
+    :class:`~quantpatch.kernels.compiled_launch.DevicePointer` s once a launch with tensors made the plan."""
 
-    def __init__(self, q: torch.Tensor, x: QuantizedQKV, nk: int, *, qk_granularity: str = "thread",
-                 qk_qmax: int = 127, warp_rows: int = 32, is_causal: bool = False, sm_scale: float | None = None,
-                 return_lse: bool = False, out_dtype: torch.dtype = torch.bfloat16, block_n: int = 128,
-                 stages: int = DEFAULT_STAGES, two_level_accum: bool = True):
-        b, h, nq, d = q.shape
+    def __init__(self, x: QuantizedQKV, nk: int, *, qk_granularity: str = "thread", is_causal: bool = False,
+                 sm_scale: float | None = None, return_lse: bool = False, out_dtype: torch.dtype = torch.bfloat16,
+                 block_n: int = 128, stages: int = DEFAULT_STAGES, two_level_accum: bool = True):
+        b, h, nq, d = x.q_hat.shape
         hkv, nk_pad = x.k_hat.shape[1], x.k_hat.shape[2]
         qk_fp8, pv_int8, v_tensor = operand_numerics(x, qk_granularity)
-        if q.dtype not in (torch.bfloat16, torch.float16) or q.dim() != 4 or q.stride(-1) != 1:
-            raise ValueError(f"attn_qk_int8_pv_fp8_sm90 quantizes Q itself: it takes bf16/fp16 Q (B, H, Nq, D) with "
-                             f"D contiguous, got {q.dtype} {tuple(q.shape)} with strides {q.stride()}")
-        if x.q_hat.numel() or x.q_scale.numel() or x.delta_s.numel():
-            raise ValueError("attn_qk_int8_pv_fp8_sm90 quantizes Q itself and has no smooth Q (ΔS): quantize K and V "
-                             "with quantize_q=False, smooth_q=False")
-        if qk_granularity == "thread" and warp_rows not in (16, 32, 64):
-            raise ValueError(f"per-thread Q groups of {warp_rows}-row warp segments: the kernel's 64-row programs "
-                             "take segments of 16, 32 or 64 rows")
+        if x.delta_s.numel():
+            raise ValueError("attn_qk_int8_pv_fp8_sm90 has no smooth Q (ΔS): quantize with smooth_q=False")
         if d not in HEAD_DIMS or nk_pad % block_n or h % hkv:
             raise ValueError(f"head_dim {d} (takes {HEAD_DIMS}), Nk_pad={nk_pad} (a multiple of block_n={block_n}), "
                              f"H={h} (a multiple of Hkv={hkv})")
@@ -396,7 +346,7 @@ class Sm90Launch:
                 or x.k_scale.shape != (b, hkv, nk_pad)
                 or not (x.k_hat.is_contiguous() and x.v_hat_t.is_contiguous() and x.k_scale.is_contiguous())):
             raise ValueError(f"K̂ {tuple(x.k_hat.shape)}, V̂ᵀ {tuple(x.v_hat_t.shape)}, K scales "
-                             f"{tuple(x.k_scale.shape)} for Q {tuple(q.shape)}: TMA reads contiguous (B, Hkv, "
+                             f"{tuple(x.k_scale.shape)} for Q̂ {tuple(x.q_hat.shape)}: TMA reads contiguous (B, Hkv, "
                              "Nk_pad, D), (B, Hkv, D, Nk_pad) and (B, Hkv, Nk_pad)")
         scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
         self.out_shape, self.out_dtype = (b, h, nq, d), out_dtype
@@ -409,19 +359,17 @@ class Sm90Launch:
             TensorDescriptor(x.v_hat_t, [b * hkv * d, nk_pad], [nk_pad, 1], [d, block_n], v_layout),
             TensorDescriptor(x.k_scale, [b * hkv * nk_pad], [1], [block_n], vec_layout)))
         # o is contiguous (B, H, Nq, D), allocated by the caller in out_shape
-        self.ints = q.stride()[:3] + (h * nq * d, nq * d, d, nq, nk, nk_pad, h, h // hkv)
+        self.ints = (h * nq * d, nq * d, d, nq, nk, nk_pad, h, h // hkv)
         self.qk_scale = scale * LOG2E
         self.grid = (cdiv(nq, BLOCK_M), b * h)
-        token = qk_granularity == "token"
         self.constexprs = dict(HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=is_causal,
-                               SMOOTH_V=x.v_mean.numel() > 0, RETURN_LSE=return_lse, TOKEN_SCALES=token,
-                               QK_FP8=qk_fp8, QMAX=FP8_MAX["fp8_e4m3"] if qk_fp8 else float(qk_qmax),
-                               Q_SEG=0 if token else warp_rows, PV_INT8=pv_int8, V_TENSOR=v_tensor,
-                               TWO_LEVEL=two_level_accum or pv_int8)
+                               SMOOTH_V=x.v_mean.numel() > 0, RETURN_LSE=return_lse,
+                               TOKEN_SCALES=qk_granularity == "token", QK_FP8=qk_fp8, PV_INT8=pv_int8,
+                               V_TENSOR=v_tensor, TWO_LEVEL=two_level_accum or pv_int8)
         # Triton specializes a descriptor on its dtype, block shape and layout (the constexprs and these dtypes): the
         # key is the specialization of the other arguments (o and lse are allocated by the caller; qk_scale a float)
-        tensors = (q, x.k_scale, x.v_scale, x.v_mean)
-        self.plan_key = (q.dtype, out_dtype, x.k_hat.dtype, x.v_hat_t.dtype, specialization(tensors + self.ints))
+        tensors = (x.q_hat, x.q_scale, x.k_scale, x.v_scale, x.v_mean)
+        self.plan_key = (out_dtype, x.k_hat.dtype, x.v_hat_t.dtype, specialization(tensors + self.ints))
         self.options = compile_options(d)
 
     def outputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -429,27 +377,23 @@ class Sm90Launch:
         return (torch.empty(self.out_shape, device=device, dtype=self.out_dtype),
                 torch.empty(self.lse_shape, device=device, dtype=torch.float32))
 
-    def __call__(self, q: torch.Tensor, x: QuantizedQKV, o: torch.Tensor, lse: torch.Tensor,
-                 device: int | None = None) -> None:
-        """Attend with ``q`` over ``x`` into ``o`` and ``lse`` (of :meth:`outputs`) on the current stream; ``device``:
-        the CUDA device index where ``x`` holds addresses."""
+    def __call__(self, x: QuantizedQKV, o: torch.Tensor, lse: torch.Tensor, device: int | None = None) -> None:
+        """Attend over ``x`` into ``o`` and ``lse`` (of :meth:`outputs`) on the current stream; ``device``: the CUDA
+        device index where ``x`` holds addresses."""
         k_desc, vt_desc, ks_desc = self.descriptors
         _LAUNCH(
             self.grid,
-            (q, _rebased(k_desc, x.k_hat), _rebased(vt_desc, x.v_hat_t), _rebased(ks_desc, x.k_scale),
-             x.k_scale, x.v_scale, x.v_mean, o, lse, *self.ints, self.qk_scale),
+            (x.q_hat, _rebased(k_desc, x.k_hat), _rebased(vt_desc, x.v_hat_t), _rebased(ks_desc, x.k_scale),
+             x.q_scale, x.k_scale, x.v_scale, x.v_mean, o, lse, *self.ints, self.qk_scale),
             self.constexprs, plan_key=self.plan_key, device=device, **self.options,
         )
 
 
 def attn_qk_int8_pv_fp8_sm90(
-    q: torch.Tensor,
     x: QuantizedQKV,
     nk: int,
     *,
     qk_granularity: str = "thread",
-    qk_qmax: int = 127,
-    warp_rows: int = 32,
     is_causal: bool = False,
     sm_scale: float | None = None,
     return_lse: bool = False,
@@ -458,25 +402,23 @@ def attn_qk_int8_pv_fp8_sm90(
     stages: int = DEFAULT_STAGES,
     two_level_accum: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """sage2 (without smooth Q), int8-flash or fireq attention of ``q (B, H, Nq, D)`` (bf16/fp16, D contiguous) over
-    K and V operands of :func:`~quantpatch.kernels.attention.qk_quant_triton.quantize_qkv` quantized with
-    ``quantize_q=False, v_key_order=True`` (``x.v_hat_t``'s keys in ``pingpong_gluon.wgmma_key_order``). Each
-    program quantizes its 64 rows of Q as the pass would (the same groups, scales and bits), to K̂'s format with
-    ``qk_qmax`` (INT8) or 448 (e4m3). Causal is bottom-right aligned, as the reference. The operands pick the
-    numerics, as in the Triton kernel: INT8 K with FP8 V and per-channel V scales → P̂ = e4m3(448 P̃) (sage2); INT8 V
-    with one scale → P̂ = rne(127 P̃) and ℓ from P̂ (int8-flash); e4m3 K and V with one V scale → FP8 Q̂·K̂ᵀ in fp32,
-    P̂ = e4m3(448 P̃) (fireq).
+    """sage2 (without smooth Q), int8-flash or fireq attention over
+    :func:`~quantpatch.kernels.attention.qk_quant_triton.quantize_qkv` operands quantized with ``v_key_order=True``
+    (``x.v_hat_t``'s keys in ``pingpong_gluon.wgmma_key_order``); causal is bottom-right aligned, as the reference.
+    The operands pick the numerics, as in the Triton kernel: INT8 Q/K with FP8 V and per-channel V scales →
+    P̂ = e4m3(448 P̃) (sage2); INT8 V with one scale → P̂ = rne(127 P̃) and ℓ from P̂ (int8-flash); e4m3 Q/K and V with
+    one V scale → FP8 Q̂·K̂ᵀ in fp32, P̂ = e4m3(448 P̃) (fireq).
 
-    ``qk_granularity``: ``"thread"``, SageAttention2's per-thread groups (``warp_rows`` = ``block_q / warps``, 16, 32
-    or 64; ``block_k`` a multiple of 64), read as one δQ·δK a lane; ``"token"``: one scale a token (int8-flash,
-    fireq), δK brought with K. ``two_level_accum``: an FP8 P̂·V in its own accumulator, added to the main one
-    (SageAttention2 §3.4), or accumulated into it (fireq's default). ``stages``: depth of the K and Vᵀ rings; the
-    ptxas register cap (more programs an SM): :func:`compile_options`.
+    ``qk_granularity``: ``"thread"``, SageAttention2's per-thread groups (``block_q / warps`` a multiple of 16,
+    ``block_k`` of 64), read as one δQ·δK a lane; ``"token"``: one scale a token (int8-flash, fireq), δK brought
+    with K. ``two_level_accum``: an FP8 P̂·V in its own accumulator, added to the main one (SageAttention2 §3.4), or
+    accumulated into it (fireq's default). ``stages``: depth of the K and Vᵀ rings; the ptxas register cap (more
+    programs an SM): :func:`compile_options`.
     Returns ``o (B, H, Nq, D)`` in ``out_dtype`` and ``lse (B, H, Nq)`` float32 (natural log; empty unless asked).
     """
-    launch = Sm90Launch(q, x, nk, qk_granularity=qk_granularity, qk_qmax=qk_qmax, warp_rows=warp_rows,
-                        is_causal=is_causal, sm_scale=sm_scale, return_lse=return_lse, out_dtype=out_dtype,
-                        block_n=block_n, stages=stages, two_level_accum=two_level_accum)
-    o, lse = launch.outputs(q.device)
-    launch(q, x, o, lse)
+    launch = Sm90Launch(x, nk, qk_granularity=qk_granularity, is_causal=is_causal, sm_scale=sm_scale,
+                        return_lse=return_lse, out_dtype=out_dtype, block_n=block_n, stages=stages,
+                        two_level_accum=two_level_accum)
+    o, lse = launch.outputs(x.q_hat.device)
+    launch(x, o, lse)
     return o, lse

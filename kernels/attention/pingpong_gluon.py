@@ -484,43 +484,24 @@ def _store_lse(m_i, l_i, qk_scale, LSE_ptr, pid_bh, rows, NQ, LOG2_PMAX: gl.cons
     gl.store(LSE_ptr + pid_bh.to(gl.int64) * NQ + rows, lse, mask=rows < NQ)
 
 
-@triton.constexpr_function
-def _lane_q_layout(lane7):
-    """The layout of δQ ``(4, 8)`` by (warp w, lane row i) that :func:`_lane_q_scale` expands into ``lane7``."""
-    return gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5, gl.SliceLayout(6, lane7)))))
-
-
 @gluon.jit
-def _lane_q_scale(qs, lane7: gl.constexpr):
-    """δQ of rows 16w + i ``(4, 8)`` (warp w, lane row i; row 16w + 8 + i shares it under per-thread groups) shaped
-    (4, 1, 8, 1, 1, 1, 1) in ``lane7`` (:func:`_lane_scale_shape`), as the softmax multiplies it by δK."""
-    qs = gl.convert_layout(qs, _lane_q_layout(lane7))
-    return gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qs, 1), 3), 4), 5), 6)
-
-
-@gluon.jit
-def _row_keys(r0, NQ, NK, row_s: gl.constexpr, CAUSAL: gl.constexpr):
-    """A warpgroup's query rows ``r0 … r0 + 63`` ``(64,)`` and the last key each attends (bottom-right aligned where
-    ``CAUSAL``)."""
+def _warpgroup_rows(r0, NQ, NK, QS_ptr, pid_bh, qk_scale, row_s: gl.constexpr, lane7: gl.constexpr,
+                    CAUSAL: gl.constexpr, TOKEN_SCALES: gl.constexpr):
+    """A warpgroup's query rows ``r0 … r0 + 63``: their indices ``(64,)``, the last key each attends (bottom-right
+    aligned where ``CAUSAL``), δQ of each lane's rows (16w + i; 16w + 8 + i shares it) shaped (4, 1, 8, 1, 1, 1, 1)
+    in ``lane7`` (per-thread groups), and the softmax scale: ``qk_scale``, or with ``TOKEN_SCALES`` each row's δQ
+    times it ``(64,)`` (it enters with the exp2's multiply-add, :func:`_softmax_block`)."""
     rows = r0 + gl.arange(0, WG_ROWS, layout=row_s)
     if CAUSAL:  # row r attends keys ≤ r + Nk - Nq
         last_key = gl.minimum(rows + (NK - NQ), NK - 1)
     else:
         last_key = gl.full([WG_ROWS], NK - 1, gl.int32, layout=row_s)
-    return rows, last_key
-
-
-@gluon.jit
-def _warpgroup_rows(r0, NQ, NK, QS_ptr, pid_bh, qk_scale, row_s: gl.constexpr, lane7: gl.constexpr,
-                    CAUSAL: gl.constexpr, TOKEN_SCALES: gl.constexpr):
-    """A warpgroup's query rows ``r0 … r0 + 63``: :func:`_row_keys`, δQ of each lane's rows in ``lane7``
-    (:func:`_lane_q_scale`), and the softmax scale: ``qk_scale``, or with ``TOKEN_SCALES`` each row's δQ times it
-    ``(64,)`` (it enters with the exp2's multiply-add, :func:`_softmax_block`)."""
-    rows, last_key = _row_keys(r0, NQ, NK, row_s, CAUSAL)
-    ql: gl.constexpr = _lane_q_layout(lane7)
+    ql: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, gl.SliceLayout(5,
+                                      gl.SliceLayout(6, lane7)))))  # dims (0, 2): warp w, lane row i
     q_rows = (r0 + 16 * gl.arange(0, 4, layout=gl.SliceLayout(1, ql))[:, None]
               + gl.arange(0, 8, layout=gl.SliceLayout(0, ql))[None, :])
-    qs = _lane_q_scale(gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + q_rows, mask=q_rows < NQ, other=0.0), lane7)
+    qs = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + q_rows, mask=q_rows < NQ, other=0.0)
+    qs = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(qs, 1), 3), 4), 5), 6)
     if TOKEN_SCALES:
         qk_scale = gl.load(QS_ptr + pid_bh.to(gl.int64) * NQ + rows, mask=rows < NQ, other=1.0) * qk_scale
     return rows, last_key, qs, qk_scale
@@ -691,13 +672,13 @@ def wgmma_key_order(n: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(0, n, 32, device=device)[:, None] + col[None, :]).reshape(-1)
 
 
-def check_operand_formats(x: QuantizedQKV, qk_dtype: torch.dtype, qk_granularity: str, launcher: str) -> bool:
-    """The operand formats both Gluon attention kernels compute, checked for ``launcher``: INT8 Q/K (``qk_dtype``)
-    with FP8 V and per-channel V scales (sage2) or INT8 V and one V scale (int8-flash), per-thread or per-token Q/K
-    scales. Returns whether P̂·V is INT8 (int8-flash)."""
+def check_operand_formats(x: QuantizedQKV, qk_granularity: str, launcher: str) -> bool:
+    """The operand formats both Gluon attention kernels compute, checked for ``launcher``: INT8 Q/K with FP8 V and
+    per-channel V scales (sage2) or INT8 V and one V scale (int8-flash), per-thread or per-token Q/K scales. Returns
+    whether P̂·V is INT8 (int8-flash)."""
     pv_int8 = x.v_hat_t.dtype == torch.int8
     v_ok = x.v_scale.numel() == 1 if pv_int8 else x.v_hat_t.dtype == torch.float8_e4m3fn and x.v_scale.dim() == 3
-    if qk_dtype != torch.int8 or not v_ok:
+    if x.q_hat.dtype != torch.int8 or not v_ok:
         raise ValueError(f"{launcher} takes INT8 Q/K with FP8 V and per-channel V scales (sage2) or INT8 V and one V "
                          "scale (int8-flash)")
     if qk_granularity not in ("thread", "token"):
@@ -750,7 +731,7 @@ def attn_qk_int8_gluon(
     """
     b, h, nq, d = x.q_hat.shape
     hkv, nk_pad = x.k_hat.shape[1], x.k_hat.shape[2]
-    pv_int8 = check_operand_formats(x, x.q_hat.dtype, qk_granularity, "attn_qk_int8_gluon")
+    pv_int8 = check_operand_formats(x, qk_granularity, "attn_qk_int8_gluon")
     if nk_pad % block_n or block_q % BLOCK_M:
         raise ValueError(f"Nk_pad={nk_pad} must be a multiple of block_n={block_n}, block_q={block_q} of {BLOCK_M}")
     if warpgroups is None:

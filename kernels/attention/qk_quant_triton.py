@@ -13,8 +13,7 @@ One call turns bf16/fp16 ``q (B, H, Nq, D)``, ``k, v (B, Hkv, Nk, D)`` into the 
 Launches (three):
 
 1. ``_q_and_kv_stats_kernel``: programs of two kinds in one grid. Query-block programs
-   (``_quant_q_block``: block mean q̄, groups, quantization, in 32-row tiles; none where the attention
-   kernel quantizes Q itself, ``quantize_q=False``); statistics programs
+   (``_quant_q_block``: block mean q̄, groups, quantization, in 32-row tiles); statistics programs
    (``_kv_stats_chunk``: column-sum / max / min partials of K and V over 512 tokens, the V absmax).
    The program that finishes a kv head's last chunk (an atomic ticket) reduces that head's partials
    in a fixed order (``_kv_finalize_head``: K̄, V̄, V channel scales), so no launch waits for it, and sets
@@ -598,10 +597,8 @@ class QuantizePlan:
                  qk_granularity: str = "thread", qk_qmax: int = 127, smooth_q: bool = True, smooth_k: bool = True,
                  smooth_v: bool = False, pv_format: str = "fp8_e4m3", pv_qmax: int = 127,
                  v_granularity: str = "channel", block_q: int = 128, block_k: int = 64, warps: int = 4,
-                 pad_to: int = 128, v_key_order: bool = False, is_causal: bool = False, quantize_q: bool = True):
+                 pad_to: int = 128, v_key_order: bool = False, is_causal: bool = False):
         _check_inputs(q, k, v)
-        if not (quantize_q or not smooth_q):
-            raise ValueError("quantize_q=False leaves Q to the attention kernel, which has no smooth Q: smooth_q=False")
         b, h, nq, d = q.shape
         hkv, nk = k.shape[1], k.shape[2]
         r = self.recipe = _recipe(d, q.dtype, qk_format, qk_granularity, qk_qmax, smooth_q, smooth_k, smooth_v,
@@ -615,8 +612,7 @@ class QuantizePlan:
         v_scale = (b, hkv, d) if r.v_mode == V_CHANNEL else (b, hkv, nkb) if r.v_mode == V_BLOCK else (1,)
         # QuantizedQKV's fields in order: (shape, dtype), shape (0,) where a field is unused
         self.layout = QuantizedQKV(
-            ((b, h, nq, d) if quantize_q else (0,), r.qk_dtype), ((b, h, nq) if quantize_q else (0,), f32),
-            ((b, h, nqb, d) if smooth_q else (0,), f32),
+            ((b, h, nq, d), r.qk_dtype), ((b, h, nq), f32), ((b, h, nqb, d) if smooth_q else (0,), f32),
             ((b, hkv, nk_pad, d), r.qk_dtype), ((b, hkv, nk_pad), f32), ((b, hkv, d) if smooth_k else (0,), f32),
             ((b, h, nqb, nk_pad) if smooth_q else (0,), f32), ((b, hkv, d, nk_pad), r.v_dtype), (v_scale, f32),
             ((b, hkv, d) if smooth_v else (0,), f32))
@@ -629,7 +625,7 @@ class QuantizePlan:
         # the launches' grids and integer arguments (the inputs' strides are this signature's)
         kv_strides = k.stride()[:3] + v.stride()[:3]
         stats_programs = nchunk * b * hkv if r.need_stats else 0
-        self.stats_grid = (stats_programs + (nqb * b * h if quantize_q else 0),)
+        self.stats_grid = (stats_programs + nqb * b * h,)
         self.stats_ints = q.stride()[:3] + kv_strides + (nq, h, nqb, stats_programs, nk, hkv, nchunk, float(nk))
         short = interpreting() or nqb <= DS_TUNING["short_nqb"]
         self.delta_s_constexprs = r.delta_s_constexprs[DS_TUNING["qb_tile_short"] if short else DS_TUNING["qb_tile"]]
@@ -668,11 +664,10 @@ class QuantizePlan:
         vabs = torch.zeros(1, device=q.device, dtype=torch.float32) if r.need_vabs else scratch.empty
         # launch 1: Q (block mean, smoothing, grouped quantization) beside the K/V statistics; each kv head's
         # last statistics program reduces its partials into K̄, V̄ and the per-channel V scale
-        if self.stats_grid[0]:
-            _STATS_LAUNCH(self.stats_grid,
-                          (q, x.q_hat, x.q_scale, x.q_mean, k, v, scratch.ksum, scratch.vsum, scratch.vmax,
-                           scratch.vmin, vabs, scratch.tickets, x.k_mean, x.v_mean, x.v_scale) + self.stats_ints,
-                          r.stats_constexprs, plan_key=self.plan_key, num_warps=Q_STATS_WARPS)
+        _STATS_LAUNCH(self.stats_grid,
+                      (q, x.q_hat, x.q_scale, x.q_mean, k, v, scratch.ksum, scratch.vsum, scratch.vmax, scratch.vmin,
+                       vabs, scratch.tickets, x.k_mean, x.v_mean, x.v_scale) + self.stats_ints,
+                      r.stats_constexprs, plan_key=self.plan_key, num_warps=Q_STATS_WARPS)
         # launch 2: ΔS_raw = q̄ · Kᵀ on the raw K (needs q̄ only)
         if self.smooth_q:
             _DELTA_S_LAUNCH(self.delta_s_grid, (k, x.q_mean, x.delta_s) + self.delta_s_ints, self.delta_s_constexprs,
@@ -703,7 +698,6 @@ def quantize_qkv(
     pad_to: int = 128,
     v_key_order: bool = False,
     is_causal: bool = False,
-    quantize_q: bool = True,
 ) -> QuantizedQKV:
     """Quantize ``q (B, H, Nq, D)``, ``k, v (B, Hkv, Nk, D)`` (fp16/bf16, last dim contiguous).
 
@@ -711,9 +705,7 @@ def quantize_qkv(
     attention kernel (``Nk_pad = ceil(Nk / pad_to) · pad_to``, a multiple of ``block_k``);
     ``v_key_order``: ``v_hat_t``'s keys in the Gluon kernel's order (``pingpong_gluon.permute_v_keys``),
     for :func:`~quantpatch.kernels.attention.pingpong_gluon.attn_qk_int8_gluon` only; ``is_causal``: ``delta_s`` only
-    where a causal (bottom-right aligned) kernel reads it (:func:`delta_s_written`), the rest left unwritten;
-    ``quantize_q=False``: ``q_hat`` and ``q_scale`` stay empty, for the sm90 kernel, which quantizes Q itself with
-    the same numerics (``q`` still gives the shapes; ``smooth_q`` must be off).
+    where a causal (bottom-right aligned) kernel reads it (:func:`delta_s_written`), the rest left unwritten.
 
     Returns:
         :class:`QuantizedQKV` on ``q``'s device, launched on the current stream.
@@ -724,23 +716,11 @@ def quantize_qkv(
     plan = QuantizePlan(q, k, v, qk_format=qk_format, qk_granularity=qk_granularity, qk_qmax=qk_qmax,
                         smooth_q=smooth_q, smooth_k=smooth_k, smooth_v=smooth_v, pv_format=pv_format, pv_qmax=pv_qmax,
                         v_granularity=v_granularity, block_q=block_q, block_k=block_k, warps=warps, pad_to=pad_to,
-                        v_key_order=v_key_order, is_causal=is_causal, quantize_q=quantize_q)
+                        v_key_order=v_key_order, is_causal=is_causal)
     return plan.quantize(q, k, v)
 
 
 # --------------------------------------------------------------------------- reference
-
-
-def quantize_qk_ref(x: torch.Tensor, role: str, block: int, *, qk_format: str, qk_granularity: str, qk_qmax: int,
-                    warps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q (``role="q"``, ``block`` = block_q) or K (``"k"``, block_k) ``x (..., N, D)`` (float32: the kernels' bits)
-    quantized as :func:`quantize_qkv` does after smoothing: ``(x̂, δ)``, x̂ int8 or e4m3 and δ ``(..., N, 1)``."""
-    if qk_format == "fp8_e4m3":
-        absmax = token_absmax(x, qk_granularity, role=role, block=block, warps=warps)
-        scale = symmetric_scale(absmax, FP8_MAX["fp8_e4m3"])
-        return cast_fp8(x / scale, "fp8_e4m3").to(torch.float8_e4m3fn), scale
-    xq, scale = quantize_tokens(x, qk_granularity, role=role, qmax=qk_qmax, block=block, warps=warps)
-    return xq.to(torch.int8), scale
 
 
 def quantize_qkv_ref(
@@ -780,10 +760,15 @@ def quantize_qkv_ref(
     qf, kf, vf = (t.to(dtype) for t in (q, k, v))
     qm_in, km_in, vm_in = means if means is not None else (None, None, None)
     empty = torch.empty(0, device=q.device, dtype=dtype)
-
-    def quant(x, role, blk):
-        return quantize_qk_ref(x, role, blk, qk_format=qk_format, qk_granularity=qk_granularity, qk_qmax=qk_qmax,
-                               warps=warps)
+    if qk_format == "fp8_e4m3":
+        def quant(x, role, blk):
+            absmax = token_absmax(x, qk_granularity, role=role, block=blk, warps=warps)
+            scale = symmetric_scale(absmax, FP8_MAX["fp8_e4m3"])
+            return cast_fp8(x / scale, "fp8_e4m3").to(torch.float8_e4m3fn), scale
+    else:
+        def quant(x, role, blk):
+            xq, scale = quantize_tokens(x, qk_granularity, role=role, qmax=qk_qmax, block=blk, warps=warps)
+            return xq.to(torch.int8), scale
 
     q_mean = empty
     if smooth_q:

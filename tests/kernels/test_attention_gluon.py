@@ -208,12 +208,10 @@ def test_gpu_public_api_routes_long_calls(mode, causal, nq, nk, route):
     cfg = qp.get_mode(mode).attention
     assert fast_paths.attention_kernel(cfg, q.device, 128, nq, nk, causal) == route
     x = QuantizedQKV(*fast_paths.quantize_qkv_op(q, k, v, **fast_paths.quant_options(cfg),
-                                                 v_key_order=route != "triton", is_causal=causal,
-                                                 quantize_q=route != "sm90"))
+                                                 v_key_order=route != "triton", is_causal=causal))
     o = qp.attention(q, k, v, mode=mode, is_causal=causal, strict=True)
     if route == "sm90":
-        expected, _ = attn_qk_int8_pv_fp8_sm90(q, x, nk, qk_granularity=cfg.qk_granularity, qk_qmax=cfg.qk_qmax,
-                                               warp_rows=cfg.block_q // cfg.warps, is_causal=causal)
+        expected, _ = attn_qk_int8_pv_fp8_sm90(x, nk, qk_granularity=cfg.qk_granularity, is_causal=causal)
     elif route == "gluon":
         expected, _ = attn_qk_int8_gluon(x, nk, qk_granularity=cfg.qk_granularity, is_causal=causal,
                                          block_q=cfg.block_q, v_keys_permuted=x.v_hat_t)

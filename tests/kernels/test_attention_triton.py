@@ -318,20 +318,13 @@ def test_custom_op_fake_shapes_match_the_kernels():
     q, k, v = _inputs(17, 113)
     options = fast_paths.quant_options(get_mode("sage2-8b").attention)
     real = fast_paths.quantize_qkv_op(q, k, v, **options)
-    attn_args = (113, True, 0.125, True, torch.float16, 128, False, True, 64, 64, 4, 1, False, 119, "triton", "thread",
-                 127, 4)
-    real_o = fast_paths.attn_qk_int8_pv_fp8_op(q, *real, *attn_args)
-    kv_only = fast_paths.quantize_qkv_op(q, k, v, **options, quantize_q=False)  # the sm90 kernel's operands
+    attn_args = (113, True, 0.125, True, torch.float16, 128, False, True, 64, 64, 4, 1, False, 119, "triton", "thread")
+    real_o = fast_paths.attn_qk_int8_pv_fp8_op(*real, *attn_args)
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
-        parts = torch.ops.quantpatch.quantize_qkv(fq, fk, fv, **options)
-        fake_kv_only = torch.ops.quantpatch.quantize_qkv(fq, fk, fv, **options, quantize_q=False)
-        fake_o = torch.ops.quantpatch.attn_qk_int8_pv_fp8(fq, *parts, *attn_args)
-    for fake, made in ((parts, real), (fake_kv_only, kv_only), (fake_o, real_o)):
-        assert [(tuple(p.shape), p.dtype) for p in fake] == [(tuple(r.shape), r.dtype) for r in made]
-    assert kv_only[0].numel() == kv_only[1].numel() == 0
-    for a, b in zip(kv_only[3:], real[3:]):  # K and V as with Q
-        assert torch.equal(a, b)
+        parts = torch.ops.quantpatch.quantize_qkv(*(mode.from_tensor(t) for t in (q, k, v)), **options)
+        fake_o = torch.ops.quantpatch.attn_qk_int8_pv_fp8(*parts, *attn_args)
+    assert [(tuple(p.shape), p.dtype) for p in parts] == [(tuple(r.shape), r.dtype) for r in real]
+    assert [(tuple(p.shape), p.dtype) for p in fake_o] == [(tuple(r.shape), r.dtype) for r in real_o]
 
 
 def test_unsupported_reasons():

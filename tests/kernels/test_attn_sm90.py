@@ -24,8 +24,8 @@ CAUSAL_SHAPES = [(1, 1), (113, 203), (239, 113), (1000, 1000), (203, 4096), (64,
 
 
 def _operands(nq, nk, head_dim, mode, seed, options=None):
-    """bf16 inputs with outliers (GQA: 4 heads over 2) and their quantized operands (Q̂ included, for the Triton
-    kernel), Vᵀ's keys in the wgmma order; ``options``: attention fields overriding the mode's (``get_mode``)."""
+    """bf16 inputs with outliers (GQA: 4 heads over 2) and their quantized operands, Vᵀ's keys in the wgmma order;
+    ``options``: attention fields overriding the mode's (``get_mode``)."""
     import quantpatch as qp
     from quantpatch.kernels.attention import fast_paths
     from quantpatch.kernels.attention.qk_quant_triton import quantize_qkv
@@ -37,15 +37,6 @@ def _operands(nq, nk, head_dim, mode, seed, options=None):
     return quantize_qkv(q, k, v, **fast_paths.quant_options(cfg), v_key_order=True), cfg, (q, k, v)
 
 
-def _sm90(q, x, nk, cfg, **call):
-    """The sm90 kernel on ``q`` and the K/V operands of ``x`` (it quantizes Q itself), with ``cfg``'s Q groups."""
-    from quantpatch.kernels.attention.one_warpgroup_gluon import attn_qk_int8_pv_fp8_sm90
-
-    empty = x.q_hat.new_empty(0, dtype=torch.float32)
-    return attn_qk_int8_pv_fp8_sm90(q, x._replace(q_hat=empty, q_scale=empty), nk, qk_granularity=cfg.qk_granularity,
-                                    qk_qmax=cfg.qk_qmax, warp_rows=cfg.block_q // cfg.warps, **call)
-
-
 @pytest.mark.gpu
 @needs_cuda
 @hopper
@@ -55,8 +46,7 @@ def _sm90(q, x, nk, cfg, **call):
 @pytest.mark.parametrize("mode, options, stages", [("sage2-8b", {}, 1), ("sage2-8b", {}, 2), ("int8-flash", {}, 2),
                                                    ("fireq", {}, 2), ("fireq", {"two_level_accum": True}, 2)])
 def test_gpu_sm90_matches_the_triton_kernel(shape, causal, head_dim, mode, options, stages):
-    """The kernel quantizes Q itself (the pass's groups and roundings) and attends over the pass's K and V: as accurate
-    as the Triton kernel over the pass's Q̂, K̂ and V̂."""
+    from quantpatch.kernels.attention.one_warpgroup_gluon import attn_qk_int8_pv_fp8_sm90
     from quantpatch.kernels.attention.pingpong_gluon import permute_v_keys
     from quantpatch.kernels.attention.quant_attn_triton import attn_qk_int8_pv_fp8
 
@@ -66,8 +56,8 @@ def test_gpu_sm90_matches_the_triton_kernel(shape, causal, head_dim, mode, optio
     ref, ref_lse = attn_qk_int8_pv_fp8(plain, nk, is_causal=causal, return_lse=True, block_q=cfg.block_q,
                                        block_m=64, block_n=128, num_warps=4, num_stages=2,
                                        l_from_quantized_p=cfg.l_from_quantized_p, two_level_accum=cfg.two_level_accum)
-    out, lse = _sm90(qkv[0], x, nk, cfg, is_causal=causal, return_lse=True, stages=stages,
-                     two_level_accum=cfg.two_level_accum)
+    out, lse = attn_qk_int8_pv_fp8_sm90(x, nk, qk_granularity=cfg.qk_granularity, is_causal=causal,
+                                        return_lse=True, stages=stages, two_level_accum=cfg.two_level_accum)
     assert_as_accurate_as_triton("sm90", out, lse, ref, ref_lse, qkv, cfg, causal)
 
 
@@ -76,30 +66,28 @@ def test_gpu_sm90_matches_the_triton_kernel(shape, causal, head_dim, mode, optio
 @hopper
 def test_gpu_sm90_without_lse_gives_the_same_output():
     """The LSE switch compiles another kernel: its output bits are the ones with the LSE."""
-    x, cfg, (q, _, _) = _operands(300, 1000, 128, "sage2-8b", seed=7)
-    out, lse = _sm90(q, x, 1000, cfg, is_causal=True)
-    with_lse, _ = _sm90(q, x, 1000, cfg, is_causal=True, return_lse=True)
+    from quantpatch.kernels.attention.one_warpgroup_gluon import attn_qk_int8_pv_fp8_sm90
+
+    x, cfg, _ = _operands(300, 1000, 128, "sage2-8b", seed=7)
+    out, lse = attn_qk_int8_pv_fp8_sm90(x, 1000, is_causal=True)
+    with_lse, _ = attn_qk_int8_pv_fp8_sm90(x, 1000, is_causal=True, return_lse=True)
     assert lse.numel() == 0
     assert torch.equal(out, with_lse)
 
 
 def _cpu_operands(head_dim=128, v_dtype=torch.float8_e4m3fn, v_scale_shape=(1, 1, 128), delta_s=(0,),
-                  qk_dtype=torch.int8, q_dtype=torch.bfloat16, q_hat=(0,)):
-    """A CPU call's ``q`` and K/V operands (contents unused)."""
+                  qk_dtype=torch.int8, k_dtype=None):
     from quantpatch.kernels.attention.qk_quant_triton import QuantizedQKV
 
     f32, empty = torch.float32, torch.empty(0)
-    x = QuantizedQKV(torch.zeros(q_hat), empty, empty, torch.zeros(1, 1, 128, head_dim).to(qk_dtype),
-                     torch.ones(1, 1, 128), empty, torch.zeros(delta_s), torch.zeros(1, 1, head_dim, 128).to(v_dtype),
-                     torch.ones(v_scale_shape, dtype=f32), empty)
-    return torch.zeros(1, 1, 100, head_dim).to(q_dtype), x
+    return QuantizedQKV(torch.zeros(1, 1, 100, head_dim).to(qk_dtype), torch.ones(1, 1, 100), empty,
+                        torch.zeros(1, 1, 128, head_dim).to(k_dtype or qk_dtype), torch.ones(1, 1, 128), empty,
+                        torch.zeros(delta_s),
+                        torch.zeros(1, 1, head_dim, 128).to(v_dtype), torch.ones(v_scale_shape, dtype=f32), empty)
 
 
 @pytest.mark.parametrize("operands, call, match", [
     (dict(delta_s=(1, 1, 1, 128)), {}, "smooth Q"),
-    (dict(q_hat=(1, 1, 100, 128)), {}, "quantizes Q itself"),  # a Q̂ the kernel would not read
-    (dict(q_dtype=torch.int8), {}, "bf16/fp16 Q"),
-    ({}, dict(warp_rows=128), "segments of 16, 32 or 64 rows"),
     (dict(head_dim=96, v_scale_shape=(1, 1, 96)), {}, "head_dim 96"),
     ({}, dict(qk_granularity="block"), "qk_granularity"),
     (dict(v_dtype=torch.int8), {}, "INT8 V and one V scale"),
@@ -108,15 +96,16 @@ def _cpu_operands(head_dim=128, v_dtype=torch.float8_e4m3fn, v_scale_shape=(1, 1
     (dict(qk_dtype=torch.float8_e4m3fn), dict(qk_granularity="token"), "with one scale"),
     (dict(qk_dtype=torch.float8_e4m3fn, v_dtype=torch.int8, v_scale_shape=(1,)), dict(qk_granularity="token"),
      "e4m3 V"),
+    (dict(qk_dtype=torch.float8_e4m3fn, k_dtype=torch.int8, v_scale_shape=(1,)), dict(qk_granularity="token"),
+     "e4m3 Q/K"),
 ])
 def test_sm90_launcher_rejects_what_the_kernel_does_not_compute(operands, call, match):
-    """Checked before anything reaches the GPU: ΔS (smooth Q), a Q̂ given (the kernel quantizes Q itself) or a Q that
-    is not bf16/fp16, per-thread Q groups that span programs, other head dims, unknown Q/K groups, operands of none
+    """Checked before anything reaches the GPU: ΔS (smooth Q), other head dims, unknown Q/K groups, operands of none
     of its numerics (FP8 Q/K: fireq's per-token scales, e4m3 K and V, one V scale)."""
     from quantpatch.kernels.attention.one_warpgroup_gluon import attn_qk_int8_pv_fp8_sm90
 
     with pytest.raises(ValueError, match=match):
-        attn_qk_int8_pv_fp8_sm90(*_cpu_operands(**operands), 100, **call)
+        attn_qk_int8_pv_fp8_sm90(_cpu_operands(**operands), 100, **call)
 
 
 @pytest.mark.parametrize("field, bad", [
@@ -129,9 +118,9 @@ def test_sm90_launcher_rejects_operands_tma_cannot_read(field, bad):
     else is rejected, not read out of bounds."""
     from quantpatch.kernels.attention.one_warpgroup_gluon import attn_qk_int8_pv_fp8_sm90
 
-    q, x = _cpu_operands()
+    x = _cpu_operands()
     with pytest.raises(ValueError, match="TMA reads contiguous"):
-        attn_qk_int8_pv_fp8_sm90(q, x._replace(**{field: bad(getattr(x, field))}), 100)
+        attn_qk_int8_pv_fp8_sm90(x._replace(**{field: bad(getattr(x, field))}), 100)
 
 
 @pytest.mark.parametrize("mode, options, d, causal, n, expected", [
@@ -166,20 +155,17 @@ def test_route_prefers_the_sm90_kernel_where_it_measured_faster(monkeypatch, mod
     assert fast_paths.attention_kernel(cfg, cpu, d, n, n, causal) == expected
 
 
-def _launch_operands(b=1, h=2, hkv=1, nq=100, nk_pad=128, head_dim=128, int8_flash=False, q_strides=None):
-    """A CPU call's ``q`` (contiguous, or with ``q_strides``) and K/V operands of the launcher's shapes (contents
-    unused): sage2 (FP8 V, per-channel scales) or int8-flash."""
+def _launch_operands(b=1, h=2, hkv=1, nq=100, nk_pad=128, head_dim=128, int8_flash=False):
+    """CPU operands of the launcher's shapes (contents unused): sage2 (FP8 V, per-channel scales) or int8-flash."""
     from quantpatch.kernels.attention.qk_quant_triton import QuantizedQKV
 
     i8, empty = torch.int8, torch.empty(0)
     v_hat_t = torch.zeros(b, hkv, head_dim, nk_pad, dtype=i8)
     v_hat_t, v_scale = (v_hat_t, torch.ones(1)) if int8_flash else (v_hat_t.to(torch.float8_e4m3fn),
                                                                     torch.ones(b, hkv, head_dim))
-    q = torch.zeros(b, h, nq, head_dim, dtype=torch.bfloat16)
-    if q_strides is not None:
-        q = torch.empty_strided(q.shape, q_strides, dtype=q.dtype)
-    return q, QuantizedQKV(empty, empty, empty, torch.zeros(b, hkv, nk_pad, head_dim, dtype=i8),
-                           torch.ones(b, hkv, nk_pad), empty, empty, v_hat_t, v_scale, empty)
+    return QuantizedQKV(torch.zeros(b, h, nq, head_dim, dtype=i8), torch.ones(b, h, nq), empty,
+                        torch.zeros(b, hkv, nk_pad, head_dim, dtype=i8), torch.ones(b, hkv, nk_pad), empty, empty,
+                        v_hat_t, v_scale, empty)
 
 
 def test_sm90_plan_key_determines_the_specialization(monkeypatch):
@@ -198,19 +184,17 @@ def test_sm90_plan_key_determines_the_specialization(monkeypatch):
     variants = [(dict(nq=nq), dict(nk=nk)) for nq in (100, 112, 1, 64) for nk in (100, 113, 128, 1)]
     variants += [(dict(b=2, h=16, hkv=4, nk_pad=256), dict(nk=250)), (dict(b=2, h=16, hkv=16), dict(nk=97)),
                  (dict(head_dim=64), dict(nk=100, return_lse=True)), (dict(), dict(nk=100, out_dtype=torch.float16)),
-                 (dict(int8_flash=True), dict(nk=100, qk_granularity="token")), (dict(nq=3000), dict(nk=100)),
-                 (dict(h=4, nq=100, q_strides=(100 * 4 * 128, 128, 4 * 128, 1)), dict(nk=100)),  # (B, N, H, D) memory
-                 (dict(h=4, nq=100, q_strides=(100 * 4 * 136, 136, 4 * 136, 1)), dict(nk=100))]
+                 (dict(int8_flash=True), dict(nk=100, qk_granularity="token")), (dict(nq=3000), dict(nk=100))]
     for shape, call in variants:
-        sm90.attn_qk_int8_pv_fp8_sm90(*_launch_operands(**shape), **call)
+        sm90.attn_qk_int8_pv_fp8_sm90(_launch_operands(**shape), **call)
     plans = {}
     for args, key in calls:
         assert plans.setdefault(key, specialization(args)) == specialization(args)
     assert len(plans) < len(calls)  # lengths of one class share a plan
 
-    q, x = _launch_operands(b=2, h=4, hkv=2, nk_pad=256)
+    x = _launch_operands(b=2, h=4, hkv=2, nk_pad=256)
     calls.clear()
-    sm90.attn_qk_int8_pv_fp8_sm90(q, x, 200)
+    sm90.attn_qk_int8_pv_fp8_sm90(x, 200)
     k_desc, vt_desc, ks_desc = calls[0][0][1:4]
     layouts = sm90.shared_layouts(128, 128)
     views = (x.k_hat.view(-1, 128), [128, 128]), (x.v_hat_t.view(-1, 256), [128, 128]), (x.k_scale.view(-1), [128])
@@ -229,7 +213,7 @@ def _general_path(q, k, v, cfg, causal):
                                                    is_causal=causal, sm_scale=1.0 / math.sqrt(q.shape[-1]),
                                                    return_lse=False, out_dtype=q.dtype)
     assert options[14] == "sm90"  # the route under test
-    return fast_paths._attend(q, *fast_paths.quantize_qkv(q, k, v, **quant_kw), *options)[0]
+    return fast_paths._attend(*fast_paths.quantize_qkv(q, k, v, **quant_kw), *options)[0]
 
 
 @pytest.mark.gpu
@@ -300,8 +284,8 @@ def test_a_kept_sm90_launch_holds_no_operand(monkeypatch):
 
     from quantpatch.kernels.attention import one_warpgroup_gluon as sm90
 
-    q, x = _launch_operands(b=2, h=4, hkv=2, nk_pad=256)
-    launch = sm90.Sm90Launch(q, x, 200)
+    x = _launch_operands(b=2, h=4, hkv=2, nk_pad=256)
+    launch = sm90.Sm90Launch(x, 200)
     assert all(desc.base is None for desc in launch.descriptors)
     alive = [weakref.ref(t) for t in (x.k_hat, x.v_hat_t, x.k_scale)]
     del x
@@ -309,8 +293,8 @@ def test_a_kept_sm90_launch_holds_no_operand(monkeypatch):
     assert all(ref() is None for ref in alive)
     calls = []
     monkeypatch.setattr(sm90, "_LAUNCH", lambda grid, args, constexprs, **options: calls.append(args))
-    q, y = _launch_operands(b=2, h=4, hkv=2, nk_pad=256)
-    launch(q, y, *launch.outputs(torch.device("cpu")))
+    y = _launch_operands(b=2, h=4, hkv=2, nk_pad=256)
+    launch(y, *launch.outputs(torch.device("cpu")))
     assert all(desc.base is t for desc, t in zip(calls[0][1:4], (y.k_hat, y.v_hat_t, y.k_scale)))
     assert all(desc.base is None for desc in launch.descriptors)
 
@@ -345,7 +329,7 @@ def test_sm90_prefill_plans_by_signature_and_rebuild_a_lost_launch_plan(monkeypa
     class Attend:
         out_shape = (1, 2, 300, 128)
 
-        def __call__(self, q, x, o, lse, device=None):
+        def __call__(self, x, o, lse, device=None):
             events.append(("attend", x))
 
     def general(self, q, k, v):
@@ -374,51 +358,3 @@ def test_sm90_prefill_plans_by_signature_and_rebuild_a_lost_launch_plan(monkeypa
     plan(q, k, v)
     plan(q, k, v)
     assert events == ["general"] + by_address
-
-
-@pytest.mark.parametrize("mode", ["sage2-8b", "fireq"])
-def test_sm90_route_without_gluon_gives_the_triton_kernel_the_pass_bits(monkeypatch, mode):
-    """The sm90 route leaves Q to the kernel (``quantize_q=False``). Where that kernel does not compile (a Triton whose
-    Gluon API differs), the call quantizes Q by the reference and the Triton kernel serves: the output bits of the
-    Triton kernel over the pass's own Q̂, so the reference's Q̂ and scales are the pass's."""
-    import triton
-
-    import quantpatch as qp
-    from quantpatch.kernels.attention import fast_paths
-    from quantpatch.kernels.attention.qk_quant_triton import quantize_qkv
-    from quantpatch.kernels.attention.quant_attn_triton import attn_qk_int8_pv_fp8
-
-    if fast_paths._attn_sm90 is None:
-        pytest.skip(f"the Gluon kernels do not import here: {fast_paths._GLUON_IMPORT_ERROR}")
-    closed = []
-
-    class Gate:
-        @staticmethod
-        def unsupported(device):
-            return None
-
-        @staticmethod
-        def close(device, err):
-            closed.append(err)
-
-    def no_compile(*args, **kwargs):
-        raise triton.CompilationError("def kernel(): ...", None, "no attribute 'warpgroup_mma'")
-
-    monkeypatch.setattr(fast_paths, "ATTENTION_GLUON", Gate)
-    monkeypatch.setattr(fast_paths._attn_sm90, "attn_qk_int8_pv_fp8_sm90", no_compile)
-    cfg = qp.get_mode(mode).attention
-    nq, nk = 70, 1030
-    q, k, v = (t.to(torch.bfloat16) for t in attention_inputs("outliers", batch=1, heads=4, kv_heads=2, seq_q=nq,
-                                                                seq_k=nk, head_dim=64, seed=11))
-    quant_kw, options = fast_paths.prefill_options(cfg, q.device, 64, nq, nk, is_causal=False, sm_scale=0.125,
-                                                   return_lse=True, out_dtype=q.dtype)
-    assert options[14] == "sm90" and not quant_kw["quantize_q"]
-    parts = quantize_qkv(q, k, v, **quant_kw)
-    assert parts.q_hat.numel() == 0
-    out, lse = fast_paths._attend(q, *parts, *options)
-    assert len(closed) == 1
-    full = quantize_qkv(q, k, v, **fast_paths.quant_options(cfg))
-    want, want_lse = attn_qk_int8_pv_fp8(full, nk, sm_scale=0.125, return_lse=True, out_dtype=q.dtype,
-                                         block_q=cfg.block_q, l_from_quantized_p=cfg.l_from_quantized_p,
-                                         two_level_accum=cfg.two_level_accum, **fast_paths.kernel_blocks(cfg, 64))
-    assert torch.equal(out, want) and torch.equal(lse, want_lse)

@@ -70,22 +70,20 @@ def _attention(head_dim: int, causal: bool, numerics: str):
     qk_dtype = fp8 if numerics == "fireq" else torch.int8
     v_dtype = torch.int8 if numerics == "int8_flash" else fp8
     v_scale = torch.ones(1 if cfg.v_granularity == "tensor" else (1, 1, head_dim))
-    x = QuantizedQKV(empty, empty, empty, torch.zeros(1, 1, BLOCK_N, head_dim).to(qk_dtype),
-                     torch.ones(1, 1, BLOCK_N), empty, empty, torch.zeros(1, 1, head_dim, BLOCK_N).to(v_dtype),
-                     v_scale, empty)
-    launch = owg.Sm90Launch(torch.zeros(1, 1, 64, head_dim, dtype=torch.bfloat16), x, BLOCK_N,
-                            qk_granularity=cfg.qk_granularity, qk_qmax=cfg.qk_qmax,
-                            warp_rows=cfg.block_q // cfg.warps, is_causal=causal, return_lse=True,
+    x = QuantizedQKV(torch.zeros(1, 1, 64, head_dim).to(qk_dtype), torch.ones(1, 1, 64), empty,
+                     torch.zeros(1, 1, BLOCK_N, head_dim).to(qk_dtype), torch.ones(1, 1, BLOCK_N), empty, empty,
+                     torch.zeros(1, 1, head_dim, BLOCK_N).to(v_dtype), v_scale, empty)
+    launch = owg.Sm90Launch(x, BLOCK_N, qk_granularity=cfg.qk_granularity, is_causal=causal, return_lse=True,
                             two_level_accum=cfg.two_level_accum)
     kernel = owg._attn_sm90_kernel
     k_layout, v_layout, vec_layout = owg.shared_layouts(head_dim, BLOCK_N)
     qk, v = ("fp8e4nv" if t is fp8 else "i8" for t in (qk_dtype, v_dtype))
-    types = dict(Q_ptr="*bf16", KS_ptr="*fp32", VS_ptr="*fp32", VM_ptr="*fp32", O_ptr="*bf16",
-                 LSE_ptr="*fp32", stride_qb="i64", stride_qh="i64", stride_qn="i64", stride_ob="i64", stride_oh="i64",
-                 stride_om="i64", qk_scale="fp32", k_desc=f"tensordesc<{qk}[{BLOCK_N}, {head_dim}],{k_layout!r}>",
+    types = dict(Q_ptr=f"*{qk}", QS_ptr="*fp32", KS_ptr="*fp32", VS_ptr="*fp32", VM_ptr="*fp32", O_ptr="*bf16",
+                 LSE_ptr="*fp32", stride_ob="i64", stride_oh="i64", stride_om="i64", qk_scale="fp32",
+                 k_desc=f"tensordesc<{qk}[{BLOCK_N}, {head_dim}],{k_layout!r}>",
                  vt_desc=f"tensordesc<{v}[{head_dim}, {BLOCK_N}],{v_layout!r}>",
                  ks_desc=f"tensordesc<fp32[{BLOCK_N}],{vec_layout!r}>")
-    aligned = [n for n in kernel.arg_names if n.endswith("_ptr") or n.startswith("stride")] + ["NK_PAD"]
+    aligned = [n for n in kernel.arg_names if n.endswith("_ptr")] + ["stride_ob", "stride_oh", "stride_om", "NK_PAD"]
     return _sm90(kernel, types, launch.constexprs, aligned, launch.options)
 
 
