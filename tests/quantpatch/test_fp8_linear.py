@@ -330,18 +330,24 @@ def _diffusers(name):
 
 
 def test_wan_block_linears_swapped_and_restored_bitwise():
+    """Every linear of Wan's blocks but those of its text cross-attention (``attn2``, kept bf16 by default) becomes
+    FP8; ``linear_exclude=[]`` swaps those too; ``remove()`` gives the original bits back."""
     model, call = _diffusers("WanTransformer3DModel")
     ref = call()
     linears = {n for n, m in model.named_modules() if type(m) is nn.Linear}
-    expected = {n for n in linears if n.startswith("blocks.")}
-    assert len(expected) == 20 and "proj_out" in linears - expected
-    handle = qp.patch_model(model, "off", linear="fp8", policy="always")
-    assert {n for n, m in model.named_modules() if isinstance(m, FP8Linear)} == expected
-    assert set(_linear_sites(handle)) == expected
-    out = call()
-    assert cos_sim(out, ref) >= DIFFUSERS_OUTPUT_COS_FLOOR
-    handle.remove()
-    assert torch.equal(call(), ref)
+    blocks = {n for n in linears if n.startswith("blocks.")}
+    cross = {n for n in blocks if ".attn2." in n}
+    assert len(blocks) == 20 and len(cross) == 8 and "proj_out" in linears - blocks
+    for exclude, expected in ((None, blocks - cross), ([], blocks)):
+        handle = qp.patch_model(model, "off", linear="fp8", policy="always", linear_exclude=exclude)
+        assert {n for n, m in model.named_modules() if isinstance(m, FP8Linear)} == expected
+        sites = _linear_sites(handle)
+        assert set(sites) == blocks
+        assert {n for n, s in sites.items() if "cross-attention: kept bf16" in s.runs} == blocks - expected
+        out = call()
+        assert cos_sim(out, ref) >= DIFFUSERS_OUTPUT_COS_FLOOR
+        handle.remove()
+        assert torch.equal(call(), ref)
 
 
 def test_norm_and_embedding_linears_are_kept():
@@ -367,7 +373,7 @@ def test_pipeline_patches_only_the_transformer_linears():
     others = {part: dict(getattr(pipe, part).named_modules()) for part in ("text_encoder", "vae")}
     with qp.patch_model(pipe, "off", linear="fp8") as handle:
         assert len(_linear_sites(handle)) == 20
-        assert sum(isinstance(m, FP8Linear) for m in pipe.transformer.modules()) == 20
+        assert sum(isinstance(m, FP8Linear) for m in pipe.transformer.modules()) == 12  # cross-attention kept bf16
         for part, modules in others.items():
             assert dict(getattr(pipe, part).named_modules()) == modules
             assert not any(isinstance(m, FP8Linear) for m in getattr(pipe, part).modules())
