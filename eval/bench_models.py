@@ -24,7 +24,8 @@ Wan rows also cross-attend to 512 text tokens, LTX-Video to 128; HunyuanVideo's 
 Columns: ``sdpa`` (the unpatched model, PyTorch's SDPA backend choice: the baseline), ``sdpa-cudnn`` (unpatched,
 ``sdpa_kernel(CUDNN_ATTENTION)``), each quantpatch mode that runs without calibration (``--modes``), with
 ``--linear fp8`` each of them again as ``MODE+fp8`` (``patch_model(model, MODE, linear="fp8")``: the transformer
-blocks' linears in FP8; ``--linear-exclude`` keeps the linears whose name contains one of its substrings in bf16)
+blocks' linears in FP8, cross-attention projections kept bf16; ``--linear-exclude`` keeps instead the linears whose
+name contains one of its substrings in bf16, and given no substring swaps every block linear)
 and ``off+fp8`` (FP8 linears, attention unpatched), and for
 Diffusers rows ``diffusers-sage`` (``transformer.set_attention_backend("sage")``) when the ``sageattention``
 package is importable (skipped with a note otherwise). Each column gives ``ms`` (median), ``speedup`` (the
@@ -462,7 +463,7 @@ def column_setup(column: str, model: torch.nn.Module, record: dict, policy: str 
         options = {} if policy is None else {"policy": policy}
         if linear:
             options["linear"] = linear
-            if linear_exclude:
+            if linear_exclude is not None:
                 options["linear_exclude"] = list(linear_exclude)
         with quantpatch.patch_model(model, mode, **options) as handle:
             try:
@@ -666,9 +667,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="cpu (or any non-CUDA device): tiny configs and inputs")
     p.add_argument("--linear", choices=["fp8"], default=None,
                    help="also run each mode (and the unpatched attention, 'off') with the blocks' linears in FP8")
-    p.add_argument("--linear-exclude", nargs="+", default=None, metavar="SUBSTRING",
+    p.add_argument("--linear-exclude", nargs="*", default=None, metavar="SUBSTRING",
                    help="with --linear: linears whose name contains one of these stay bf16 (patch_model's "
-                        "linear_exclude), e.g. attn2.to_q attn2.to_out")
+                        "linear_exclude, e.g. ffn), instead of the cross-attention projections; with no substring "
+                        "every block linear is FP8")
     p.add_argument("--policy", choices=["speed", "always"], default=None,
                    help="patch_model's policy (default: the library's default)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
@@ -690,7 +692,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.reps, args.decode_tokens = 1, 8
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
-    if args.linear_exclude and not args.linear:
+    if args.linear_exclude is not None and not args.linear:
         p.error("--linear-exclude filters the FP8 columns' linears: pass --linear fp8")
     if args.decode_tokens < 3:
         p.error("--decode-tokens must be at least 3 (two decode steps to time)")

@@ -195,18 +195,26 @@ def test_rounds_time_every_column_in_turn_and_report_the_median(bench, tmp_path,
         bench.main(["--device", "cpu", "--rounds", "0", "--out", str(tmp_path)])
 
 
-def test_linear_exclude_keeps_the_named_linears_of_the_fp8_columns(bench, tmp_path):
-    """``--linear-exclude attn2``: the FP8 columns keep every cross-attention linear of Wan's blocks in bf16 (the
-    report lists them as excluded) and swap the others; it needs ``--linear``."""
+@pytest.mark.parametrize("exclude, kept, fp8", [
+    (["ffn"], "excluded", ".attn2."),  # the named linears bf16, cross-attention FP8 (a filter replaces the default)
+    ([], None, "both"),  # no substring: every block linear FP8
+    (None, "cross-attention", ".ffn."),  # the library's default: cross-attention bf16
+])
+def test_linear_exclude_keeps_the_named_linears_of_the_fp8_columns(bench, tmp_path, exclude, kept, fp8):
+    """``--linear-exclude``: the FP8 columns keep the named linears of Wan's blocks in bf16 (the report lists them as
+    excluded) and swap the others, cross-attention included; with no substring every block linear is FP8; without
+    the flag the cross-attention projections stay bf16 (``patch_model``'s default). It needs ``--linear``."""
     pytest.importorskip("matplotlib")
+    flag = [] if exclude is None else ["--linear-exclude", *exclude]
     result = bench.main(["--device", "cpu", "--rows", "wan-1.3b", "--modes", "sage2-8b", "--reps", "1", "--policy",
-                         "always", "--linear", "fp8", "--linear-exclude", "attn2", "--out", str(tmp_path)])
+                         "always", "--linear", "fp8", *flag, "--out", str(tmp_path)])
     reports = {r["column"]: r["report"]["text"] for r in result["rows"] if "report" in r}
     for column in ("off+fp8", "sage2-8b+fp8"):
         lines = [line for line in reports[column].splitlines()
                  if line.lstrip().startswith("linear") and (".attn2." in line or ".ffn." in line)]
-        assert lines and all("excluded" in line for line in lines if ".attn2." in line), reports[column]
-        assert all("FP8Linear" in line for line in lines if ".ffn." in line), reports[column]
+        swapped = [line for line in lines if "FP8Linear" in line]
+        assert lines and swapped == [line for line in lines if fp8 == "both" or fp8 in line], reports[column]
+        assert all(kept and kept in line for line in lines if line not in swapped), reports[column]
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--linear-exclude", "attn2", "--out", str(tmp_path)])
 
