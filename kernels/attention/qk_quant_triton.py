@@ -65,7 +65,7 @@ V_GRAN_IDS = {"channel": V_CHANNEL, "tensor": V_TENSOR, "block": V_BLOCK}
 STATS_TILE = 16  # tokens per load of the K/V statistics pass
 STATS_TILES = 32  # loads per program: one partial per STATS_TILES · STATS_TILE tokens (8: 7 % slower at 8k, H200)
 # rows a load of the Q pass (at least one warp segment): 64 against 32, the pass of sage2-8b 0.86–0.88× the time at D=64
-# from 8k tokens, 0.88–0.97× at D=128 (B=4, H=32, H200)
+# from 8k tokens, about 0.96× at D=128 (B=4, H=32, H200; docs/performance.md)
 Q_SUB_ROWS = 64
 Q_STATS_WARPS = 4  # launch 1 (H200: 8 warps 1.3–1.4× slower at 2k–32k)
 # launch of the ΔS GEMM: query-block tiles of 64, or of 16 for calls of at most short_nqb query blocks (H200,
