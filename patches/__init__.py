@@ -10,6 +10,24 @@ import inspect
 from typing import Any, Callable
 
 
+def name_filter(argument: str, value: Any) -> list[str] | None:
+    """A name filter as given to ``patch_model`` or ``convert`` (``include``, ``linear_exclude``, ...) as a list of
+    substrings: None stays None, a string is one substring (not its characters), else an iterable of strings;
+    anything other raises ``TypeError`` naming ``argument``."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    try:
+        items = list(value)
+    except TypeError:
+        raise TypeError(f"{argument} takes a list of name substrings, got {type(value).__name__}") from None
+    wrong = [item for item in items if not isinstance(item, str)]
+    if wrong:
+        raise TypeError(f"{argument} takes name substrings (str), got {wrong[0]!r}")
+    return items
+
+
 def selected(name: str, include: list[str] | None, exclude: list[str] | None) -> bool:
     """Whether site ``name`` passes ``patch_model``'s include/exclude substring filters."""
     if include and not any(s in name for s in include):

@@ -133,11 +133,15 @@ def convert(
             model then computes the original function).
         options: :class:`FireQOptions` (or a dict of its fields).
         include / exclude: FQN substrings selecting decoder linears (default: the mode's
-            ``linear.include``, else all q/k/v/o/gate/up/down); the LM head is never converted.
+            ``linear.include``, else all q/k/v/o/gate/up/down; a string is one substring); the LM head is never
+            converted.
 
     Returns:
         The :class:`ConvertState`, also stored as ``model._quantpatch_state``.
     """
+    from quantpatch.patches import name_filter
+
+    include, exclude = name_filter("include", include), name_filter("exclude", exclude)
     config = get_mode(mode)
     if getattr(model, STATE_ATTR, None) is not None:
         raise ValueError("this model is already converted by quantpatch; load the original weights to convert again")

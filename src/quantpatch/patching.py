@@ -131,7 +131,8 @@ def patch_model(
         model: a ``transformers.PreTrainedModel``, a Diffusers pipeline or transformer.
         mode: a registered mode name or a ``ModeConfig``.
         strict: raise instead of falling back to the original attention.
-        include / exclude: module-name substrings selecting which attention sites to patch.
+        include / exclude: module-name substrings selecting which attention sites to patch (a string is one
+            substring).
         overrides: per-site attention options keyed by the site's full name (as in ``report()``),
             e.g. ``{"model.layers.0.self_attn": {"qk_format": "int8", "qk_qmax": 127}}``.
         policy: ``"speed"`` (default): each call runs the mode's kernel only where this GPU's crossover
@@ -158,6 +159,11 @@ def patch_model(
         ValueError: the model is already patched, is ``torch.compile``-d, or is of an unsupported kind; ``linear``
             names no kind (or ``"w4a8_fp8"``, which ``quantpatch.convert`` makes); linear filters without FP8 linears.
     """
+    from quantpatch.patches import name_filter
+
+    include, exclude = name_filter("include", include), name_filter("exclude", exclude)
+    linear_include = name_filter("linear_include", linear_include)
+    linear_exclude = name_filter("linear_exclude", linear_exclude)
     if linear == "w4a8_fp8":
         raise ValueError("patch_model swaps in linear='fp8' (or 'none'); W4A8 linears are made by quantpatch.convert "
                          "and loaded from its checkpoints")

@@ -275,6 +275,24 @@ def test_linear_filters_and_report():
         assert swapped == ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]
 
 
+@pytest.mark.usefixtures("no_leaks")
+def test_a_string_filter_is_one_substring_and_other_types_raise():
+    """``linear_exclude="layers.1"`` (or ``include=...``) is the one substring, not its characters (which would match
+    almost every name); a filter that is not strings raises ``TypeError`` naming the argument, patching nothing."""
+    model = tiny_model("llama")
+    with qp.patch_model(model, "off", linear="fp8", linear_exclude="layers.1") as handle:
+        swapped = sorted(n for n, m in model.named_modules() if isinstance(m, FP8Linear))
+        assert swapped and all(".layers.0." in n for n in swapped) and len(swapped) == 7
+    with qp.patch_model(model, "sage2-8b", include="layers.1") as handle:
+        attention = [s.name for s in handle.sites if s.kind == "attention" and "excluded" not in s.runs]
+        assert attention == ["model.layers.1.self_attn"]
+    for keyword, value, match in (("linear_exclude", 3, "linear_exclude takes a list"),
+                                  ("include", ["layers.0", 1], "include takes name substrings")):
+        with pytest.raises(TypeError, match=match):
+            qp.patch_model(model, "off", linear="fp8", **{keyword: value})
+    assert not any(isinstance(m, FP8Linear) for m in model.modules())
+
+
 def test_linear_keyword_misuse_raises():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="quantpatch.convert"):
