@@ -117,6 +117,10 @@ def test_per_site_overrides_apply_and_unknown_ones_raise(no_leaks):
         qp.patch_model(model, "turbo", overrides={"generate": {"smooth_q": False}}, policy="always")
     with pytest.raises(ValueError, match="unknown AttentionConfig option"):
         qp.patch_model(model, "sage2-4b", overrides={"model.layers.0.self_attn": {"smoothing": False}}, policy="always")
+    with pytest.raises(TypeError, match="a dict of attention options.*got 'int8' for 'model.layers.0.self_attn'"):
+        qp.patch_model(model, "sage2-4b", overrides={"model.layers.0.self_attn": "int8"})
+    with pytest.raises(TypeError, match="overrides takes a dict"):
+        qp.patch_model(model, "sage2-4b", overrides=[("model.layers.0.self_attn", {"qk_qmax": 7})])
     assert not hasattr(model, "_quantpatch_handle")
 
 
