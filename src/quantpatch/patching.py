@@ -15,7 +15,7 @@ import torch
 
 from quantpatch.config import AttentionConfig, ModeConfig
 from quantpatch.dispatch import check_policy, preload_kernels
-from quantpatch.fallback import SiteRecord
+from quantpatch.fallback import SiteRecord, logger
 from quantpatch.modes import get_mode
 
 _MISSING = object()
@@ -167,7 +167,7 @@ def patch_model(
         ValueError: the model is already patched, is ``torch.compile``-d, or is of an unsupported kind; ``linear``
             names no kind (or ``"w4a8_fp8"``, which ``quantpatch.convert`` makes); linear filters without FP8 linears.
     """
-    from quantpatch.patches import name_filter
+    from quantpatch.patches import name_filter, selected
 
     include, exclude = name_filter("include", include), name_filter("exclude", exclude)
     linear_include = name_filter("linear_include", linear_include)
@@ -195,6 +195,12 @@ def patch_model(
         unknown = set(handle.overrides) - set(attention_sites)
         if unknown:
             raise ValueError(f"overrides name unknown sites {sorted(unknown)}; sites are {attention_sites}")
+        if attention_sites and not any(selected(name, include, exclude) for name in attention_sites):
+            message = (f"include={include!r} / exclude={exclude!r} select none of {type(model).__name__}'s "
+                       f"{len(attention_sites)} attention sites (e.g. {attention_sites[0]!r}): attention stays "
+                       "unpatched")
+            handle.remarks.append(message)
+            logger.warning(message)
         if config.linear.kind == "fp8":
             from quantpatch.patches.linears import patch_linears
 

@@ -104,6 +104,21 @@ def test_softcap_fallback_warns_once_and_strict_raises():
             _out(model, inputs)
 
 
+def test_filters_that_select_no_attention_site_say_so(no_leaks, caplog):
+    """A filter that names no site (a typo) leaves every attention site unpatched: the report and the log say so,
+    rather than the model silently running its own attention."""
+    model = tiny_model("llama")
+    with caplog.at_level("WARNING", logger="quantpatch"):
+        with qp.patch_model(model, "sage2-8b", include=["self_atn"]) as handle:
+            assert "select none of LlamaForCausalLM's 2 attention sites" in handle.report()
+    assert any("select none" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="quantpatch"):
+        with qp.patch_model(model, "sage2-8b", include=["layers.1"]) as handle:
+            assert "select none" not in handle.report()
+    assert not any("select none" in r.getMessage() for r in caplog.records)
+
+
 def test_per_site_overrides_apply_and_unknown_ones_raise(no_leaks):
     model = tiny_model("llama")
     overrides = {"model.layers.1.self_attn": {"qk_format": "int8", "qk_qmax": 127}}
