@@ -193,10 +193,16 @@ def test_convert_swaps_decoder_linears_only_and_stays_accurate():
         convert(model, stats, "fireq", progress=False)
 
 
-def test_convert_include_exclude_and_linear_only_mode():
+def test_convert_include_exclude_and_linear_only_mode(caplog):
     model = tiny_model("llama")
-    state = convert(model, None, get_mode("fireq", **{"kv_cache.kind": "none"}), exclude=["mlp"], progress=False)
+    linear_only = get_mode("fireq", **{"kv_cache.kind": "none"})
+    state = convert(model, None, linear_only, exclude="mlp", progress=False)  # a string is one substring
     assert sorted(n.rsplit(".", 1)[1] for n in state.linears) == sorted(["q_proj", "k_proj", "v_proj", "o_proj"] * 2)
+    with caplog.at_level("WARNING", logger="quantpatch"):  # a filter that selects nothing says so
+        assert not convert(tiny_model("llama"), None, linear_only, include=["mpl"], progress=False).linears
+    assert any("select none of the decoder linears" in r.getMessage() for r in caplog.records)
+    with pytest.raises(TypeError, match="exclude takes name substrings"):
+        convert(tiny_model("llama"), None, linear_only, exclude=[3], progress=False)
     assert not state.attention and not hasattr(model.model.layers[0].self_attn, CRS_FACTORS)
     with pytest.raises(ValueError, match="calibration statistics"):
         convert(tiny_model("llama"), None, "fireq", progress=False)

@@ -61,6 +61,7 @@ from quantpatch.crs import CRS_FACTORS, CRS_PAIRS, add_crs_buffers, apply_online
 from quantpatch.fallback import UnsupportedError
 from quantpatch.kernels.fireq_kv.fireq_ref import crs_factors, select_crs_pairs
 from quantpatch.methods import Method
+from quantpatch.patches import selected
 from quantpatch.w4a8_linear import W4A8Linear
 
 logger = logging.getLogger("quantpatch")
@@ -290,12 +291,6 @@ def fireq_attention_ref(
 # --------------------------------------------------------------------------- convert
 
 
-def _selected(name: str, include, exclude) -> bool:
-    if include and not any(s in name for s in include):
-        return False
-    return not (exclude and any(s in name for s in exclude))
-
-
 def _set_module(model: nn.Module, fqn: str, new: nn.Module) -> None:
     parent, _, child = fqn.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, new)
@@ -337,7 +332,7 @@ def convert_fireq(model: nn.Module, stats: CalibrationStats | None, config: Mode
         if not state.quantized:
             continue
         for name in site.linears:
-            if not _selected(name, include, exclude):
+            if not selected(name, include, exclude):
                 continue
             lin = modules[name]
             if not isinstance(lin, nn.Linear):
@@ -351,6 +346,9 @@ def convert_fireq(model: nn.Module, stats: CalibrationStats | None, config: Mode
                 "group_size": q.group_size, "weight_operand": q.weight_operand, "pts_exp": int(q.pts_exp),
                 "zero_scale_groups": int((q.scales.float() == 0).sum()),
             }
+    if state.quantized and not state.linears:
+        logger.warning("convert: include=%r / exclude=%r select none of the decoder linears (e.g. %r): no linear "
+                       "was quantized", include, exclude, layers[0].linears[0] if layers else None)
     return state
 
 
