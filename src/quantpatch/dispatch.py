@@ -82,6 +82,14 @@ class LinearCall(OpCall):
     layer: torch.nn.Module
 
 
+def check_in_features(x: torch.Tensor, layer: torch.nn.Module) -> None:
+    """A ``ValueError`` naming ``layer`` (its ``what``) where ``x``'s last dim is not its ``in_features``, as
+    ``nn.Linear`` refuses such an input, before any implementation reshapes it."""
+    if x.shape[-1:] != (layer.in_features,):
+        raise ValueError(f"{layer.what}: input of shape {tuple(x.shape)}, the layer takes {layer.in_features} input "
+                         "features in its last dim")
+
+
 @dataclass(frozen=True)
 class Implementation:
     """One way to run an op: ``unsupported(call)`` says why it cannot take ``call`` (None: it can), ``run(call)``

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from quantpatch.dispatch import REFERENCE, Implementation, LinearCall, Quiet, register, run_op
+from quantpatch.dispatch import REFERENCE, Implementation, LinearCall, Quiet, check_in_features, register, run_op
 from quantpatch.fallback import ORIGINAL_LINEAR_ROUTE, SiteRecord
 from quantpatch.kernels.device import cuda_unsupported
 from quantpatch.kernels.fp8_linear.fp8_linear_ref import fp8_linear_ref, quantize_rows_fp8_ref
@@ -235,6 +235,7 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x (..., K)`` → ``(..., N)``: FP8, or the original layer where :func:`original_reason` gives a reason."""
+        check_in_features(x, self)
         if self.speed_policy and self.original[0].weight.device == x.device:
             why = original_reason(x.numel() // self.in_features, x.is_cuda)
             if why is not None:

@@ -26,6 +26,7 @@ from quantpatch.dispatch import (
     Implementation,
     LinearCall,
     Quiet,
+    check_in_features,
     on_kernels_import,
     register,
     run_op,
@@ -148,6 +149,7 @@ on_kernels_import(W4A8_KERNELS_MODULE, _register_kernels)
 
 def w4a8_matmul(x: torch.Tensor, module: W4A8Linear) -> torch.Tensor:
     """``module``'s product on ``x (..., K)`` → ``(..., O)``: the best implementation that takes it."""
+    check_in_features(x, module)
     return run_op(OP, KEY, LinearCall(x, module), what=module.what)
 
 

@@ -293,6 +293,17 @@ def test_a_string_filter_is_one_substring_and_other_types_raise():
     assert not any(isinstance(m, FP8Linear) for m in model.modules())
 
 
+@pytest.mark.parametrize("kind", ["fp8", "w4a8"])
+def test_an_input_of_the_wrong_width_raises_naming_the_layer(kind):
+    """As ``nn.Linear`` refuses it, before any implementation reshapes it (which failed with a reshape error)."""
+    from quantpatch.w4a8_linear import W4A8Linear
+
+    layer = (FP8Linear if kind == "fp8" else W4A8Linear).from_linear(nn.Linear(128, 32))
+    with pytest.raises(ValueError, match=r"Linear\(128->32\): input of shape \(4, 64\), the layer takes 128"):
+        layer(torch.randn(4, 64))
+    assert layer(torch.randn(3, 128)).shape == (3, 32) and layer(torch.randn(128)).shape == (32,)
+
+
 def test_linear_keyword_misuse_raises():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="quantpatch.convert"):
