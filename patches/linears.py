@@ -84,14 +84,11 @@ def weights_unavailable(linear: nn.Linear) -> str | None:
     return None
 
 
-def cross_attention_of(root: nn.Module, fqn: str) -> str | None:
-    """The module above ``fqn`` (under ``root``) that is a cross-attention (``is_cross_attention`` true), or None."""
+def in_cross_attention(root: nn.Module, fqn: str) -> bool:
+    """Whether a module above ``fqn`` (under ``root``) is a cross-attention (its ``is_cross_attention`` true)."""
     parts = fqn.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        name = ".".join(parts[:i])
-        if getattr(root.get_submodule(name), "is_cross_attention", False) is True:
-            return name
-    return None
+    return any(getattr(root.get_submodule(".".join(parts[:i])), "is_cross_attention", False) is True
+               for i in range(1, len(parts)))
 
 
 def block_linears(root: nn.Module, attention_modules: list[str]) -> dict[str, nn.Linear]:
@@ -108,7 +105,7 @@ def patch_linears(model: Any, handle: PatchHandle, *, strict: bool, include: lis
     """Swap the block linears of ``model`` for :class:`~quantpatch.fp8_linear.FP8Linear`, recording each swap
     (and each layer kept) in ``handle`` as a site of kind ``"linear"``. Call after the attention patcher. Under the
     handle's ``policy="speed"`` each FP8 layer calls its original where FP8 cannot be faster. ``exclude=None``
-    keeps the cross-attention linears (:func:`cross_attention_of`; module docstring)."""
+    keeps the cross-attention linears (:func:`in_cross_attention`; module docstring)."""
     from quantpatch.fp8_linear import FP8Linear, scaled_mm_unsupported, shape_unsupported
 
     root = transformer_root(model)
@@ -122,7 +119,7 @@ def patch_linears(model: Any, handle: PatchHandle, *, strict: bool, include: lis
         if not selected(fqn, include, exclude):
             handle.add_site(fqn, "linear", "original nn.Linear (excluded)")
             continue
-        if exclude is None and cross_attention_of(root, fqn) is not None:
+        if exclude is None and in_cross_attention(root, fqn):
             handle.add_site(fqn, "linear", "original nn.Linear (cross-attention: kept bf16 unless linear_exclude "
                                            "is given)")
             continue

@@ -33,11 +33,10 @@ class PatchHandle:
         if overrides is not None and not isinstance(overrides, Mapping):
             raise TypeError(f"overrides takes a dict {{site name: {{option: value}}}}, got {type(overrides).__name__}")
         self.overrides = dict(overrides or {})
-        wrong = {site: options for site, options in self.overrides.items() if not isinstance(options, Mapping)}
-        if wrong:
-            site, options = next(iter(wrong.items()))
-            raise TypeError(f"overrides maps a site name to a dict of attention options, e.g. {{{site!r}: "
-                            f"{{'qk_qmax': 7}}}}; got {options!r} for {site!r}")
+        for site, options in self.overrides.items():
+            if not isinstance(options, Mapping):
+                raise TypeError(f"overrides maps a site name to a dict of attention options, e.g. {{{site!r}: "
+                                f"{{'qk_qmax': 7}}}}; got {options!r} for {site!r}")
         self.sites: list[SiteRecord] = []
         self.remarks: list[str] = []
         self._undo: list[tuple[Any, str, Any]] = []
