@@ -51,12 +51,16 @@ def entry_key(key: str, head_dim: int, causal: bool) -> str:
     return f"{key}/d{head_dim}/{'causal' if causal else 'full'}"
 
 
-# sm_90 (H100 / H200): `quantpatch tune --repeats 2` on an H200 (B=1, H=32, bf16;
-# eval/results/tune/crossovers-sm_90.json keeps the measured ratios, each the lower of two measurements); int8_flash
-# and fireq from `quantpatch tune --modes int8-flash fireq --repeats 2` once both ran the one-warpgroup sm_90 kernel
-# (eval/results/tune/crossovers-sm_90-token-scales.json).
+# sm_90 (H100 / H200): per entry the later crossover of two GPUs' tables, so that no measured sm_90 GPU runs a call
+# slower than SDPA: an H200's `quantpatch tune --repeats 2` (B=1, H=32, bf16; eval/results/tune/crossovers-sm_90.json,
+# each ratio the lower of two measurements), with its int8_flash and fireq entries from
+# `quantpatch tune --modes int8-flash fireq --repeats 2` once both ran the one-warpgroup sm_90 kernel
+# (crossovers-sm_90-token-scales.json), and an H100 SXM's `quantpatch tune --modes sage2-8b sage2-4b int8-flash fireq
+# --repeats 2` (crossovers-sm_90-h100.json; its lower memory bandwidth makes the quantization pass dearer, so five
+# entries come later there: sage2+smooth_q d128 full, int8_flash d128 causal, fireq d64 causal, fireq d128 full, and
+# int8_flash d64 full never). `quantpatch tune` writes the user's own GPU's table, which then replaces this one.
 # Values: the crossover sequence length (queries and keys); None = the mode did not beat SDPA at the longest length
-# measured (32k). turbo's prefill (SAS), not in that run, ran 0.2-0.4x SDPA at every length in an earlier tune.
+# measured (32k). turbo's prefill (SAS), not in those runs, ran 0.2-0.4x SDPA at every length in an earlier tune.
 SHIPPED: dict[str, dict[str, int | None]] = {
     "sm_90": {
         entry_key("sage2", 64, False): 8192,
@@ -65,15 +69,15 @@ SHIPPED: dict[str, dict[str, int | None]] = {
         entry_key("sage2", 128, True): 8192,
         entry_key("sage2+smooth_q", 64, False): None,
         entry_key("sage2+smooth_q", 64, True): None,
-        entry_key("sage2+smooth_q", 128, False): 8192,
+        entry_key("sage2+smooth_q", 128, False): 16384,
         entry_key("sage2+smooth_q", 128, True): 16384,
-        entry_key("int8_flash", 64, False): 32768,
+        entry_key("int8_flash", 64, False): None,
         entry_key("int8_flash", 64, True): None,
         entry_key("int8_flash", 128, False): 8192,
-        entry_key("int8_flash", 128, True): 8192,
+        entry_key("int8_flash", 128, True): 16384,
         entry_key("fireq", 64, False): 6144,
-        entry_key("fireq", 64, True): 8192,
-        entry_key("fireq", 128, False): 4096,
+        entry_key("fireq", 64, True): 16384,
+        entry_key("fireq", 128, False): 6144,
         entry_key("fireq", 128, True): 6144,
         entry_key("turbo", 64, False): None,
         entry_key("turbo", 64, True): None,

@@ -81,20 +81,26 @@ def test_a_tuned_user_table_takes_precedence(tmp_path):
     assert str(path) in dispatch.speed_reason(SAGE, CUDA, 128, 1024, 1024, False)
 
 
-def test_the_shipped_sm90_table_is_the_measured_one():
-    """The full tune's table, with the entries of int8-flash and fireq (per-token scales) from the later tune of those
-    two modes, which replaces that run's; turbo never routed to its prefill kernel."""
+def test_the_shipped_sm90_table_is_the_later_crossover_of_the_measured_h200_and_h100_tables():
+    """Per entry the later crossover (None, never, the latest) of the H200's table, whose int8-flash and fireq
+    (per-token scales) entries come from the later tune of those two modes, and the H100's; turbo never routed to its
+    prefill kernel."""
     from pathlib import Path
 
     results = Path(__file__).resolve().parents[2] / "eval/results/tune"
     shipped = dict(routing.SHIPPED["sm_90"])
     assert shipped.pop(routing.TURBO_CACHE) == 8 * 32768  # from model-level decode runs (its comment), not tune
     turbo = {key: shipped.pop(key) for key in list(shipped) if key.startswith("turbo/")}
-    assert len(turbo) == 4 and set(turbo.values()) == {None}  # not in the measured run: never routed to its kernel
-    measured = routing.read_table(results / "crossovers-sm_90.json")
+    assert len(turbo) == 4 and set(turbo.values()) == {None}  # not in the measured runs: never routed to its kernel
+    h200 = routing.read_table(results / "crossovers-sm_90.json")
     token_scales = routing.read_table(results / "crossovers-sm_90-token-scales.json")
     assert {key.split("/")[0] for key in token_scales} == {"int8_flash", "fireq"}
-    assert shipped == measured | token_scales
+    h200 |= token_scales
+    h100 = routing.read_table(results / "crossovers-sm_90-h100.json")
+    assert h100.keys() == h200.keys() == shipped.keys()
+    later = {key: None if h200[key] is None or h100[key] is None else max(h200[key], h100[key]) for key in h200}
+    assert shipped == later
+    assert sum(shipped[key] != h200[key] for key in shipped) == 5  # where the H100 needs longer calls
 
 
 def test_turbo_cache_crossover_is_shipped_kept_from_a_tuned_table_or_absent():
