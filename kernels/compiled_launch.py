@@ -147,20 +147,48 @@ class DirectLaunch:
 _DIRECT: dict[object, DirectLaunch | None] = {}  # by compiled kernel (a few tens a process: one a launch plan)
 
 
-def relaunch(kernel, grid: tuple[int, int, int], stream: int, args: tuple) -> None:
-    """Launch the compiled ``kernel`` on ``grid`` and ``stream`` with ``args``: every kernel parameter in signature
-    order, constexprs included (the launcher skips them), through :class:`DirectLaunch` where it applies, else
-    Triton's launcher. Triton's launch hooks (profilers) still run when any is set."""
-    enter, exit_ = _active(knobs.runtime.launch_enter_hook), _active(knobs.runtime.launch_exit_hook)
+def _direct_launch(kernel) -> DirectLaunch | None:
+    """:meth:`DirectLaunch.of` ``kernel``, made once per compiled kernel."""
     try:
-        direct = _DIRECT[kernel]
+        return _DIRECT[kernel]
     except KeyError:
         direct = _DIRECT[kernel] = DirectLaunch.of(kernel)
+        return direct
+
+
+def _launch(kernel, direct: DirectLaunch | None, grid: tuple[int, int, int], stream: int, args: tuple) -> None:
+    """``kernel`` through ``direct`` where it applies, else Triton's launcher; Triton's launch hooks (profilers) run
+    when any is set."""
+    enter, exit_ = _active(knobs.runtime.launch_enter_hook), _active(knobs.runtime.launch_exit_hook)
     if direct is not None:
         direct(grid, stream, args, enter, exit_)
         return
     meta = None if enter is None else kernel.launch_metadata(grid, stream, *args)
     kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, meta, enter, exit_, *args)
+
+
+def relaunch(kernel, grid: tuple[int, int, int], stream: int, args: tuple) -> None:
+    """Launch the compiled ``kernel`` on ``grid`` and ``stream`` with ``args``: every kernel parameter in signature
+    order, constexprs included (the launcher skips them), through :class:`DirectLaunch` where it applies, else
+    Triton's launcher."""
+    _launch(kernel, _direct_launch(kernel), grid, stream, args)
+
+
+class BoundLaunch:
+    """One launch plan's compiled kernel on one grid, with its constexprs (:meth:`LaunchPlans.bound`): a call takes
+    only the runtime arguments and the stream, no plan key is made or looked up. It keeps its kernel launchable
+    after :meth:`LaunchPlans.clear` (the kernel it names is the one the plan had)."""
+
+    __slots__ = ("kernel", "direct", "grid", "consts")
+
+    def __init__(self, kernel, grid: tuple[int, ...], consts: tuple):
+        self.kernel, self.direct = kernel, _direct_launch(kernel)
+        self.grid, self.consts = tuple(grid) + (1,) * (3 - len(grid)), consts
+
+    def __call__(self, stream: int, args: tuple) -> None:
+        """Launch on ``stream`` (a raw handle, :func:`current_stream`) with the runtime ``args`` of the plan's
+        specialization (tensors or :class:`DevicePointer` s)."""
+        _launch(self.kernel, self.direct, self.grid, stream, args + self.consts)
 
 
 def _no_addresses(kernel, args: tuple) -> None:
@@ -220,3 +248,13 @@ class LaunchPlans:
             raise ValueError(f"{self.kernel.__name__}: constexprs {list(constexprs)} are not the parameters after the "
                              f"{len(args)} runtime ones, {self.kernel.arg_names[len(args):]}")
         self._plans[key] = self.kernel[grid](*args, **constexprs, **options)
+
+    def bound(self, grid: tuple[int, ...], constexprs: dict, *, plan_key: tuple, device: int,
+              **options) -> BoundLaunch | None:
+        """The plan of ``(device, constexprs, options, plan_key)`` as a :class:`BoundLaunch` on ``grid``, for a caller
+        that launches one signature many times; None where no launch made that plan (or under the interpreter)."""
+        if _INTERPRETING:
+            return None
+        consts = tuple(constexprs.values())
+        compiled = self._plans.get((device, consts, tuple(options.items()), plan_key))
+        return None if compiled is None else BoundLaunch(compiled, grid, consts)

@@ -353,6 +353,8 @@ class Sm90Prefill:
                                                 qk_granularity=self.cfg.qk_granularity, is_causal=self.is_causal,
                                                 sm_scale=self.sm_scale, out_dtype=q.dtype,
                                                 two_level_accum=self.cfg.two_level_accum)
+            plan.bind(q.device.index)
+            self.attend.bind(q.device.index)
         return o
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,6 +398,18 @@ def _sm90_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Attent
     return plan
 
 
+def _sm_scale(q: torch.Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def _eager_sm90_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig, is_causal: bool,
+                        sm_scale: float, return_lse: bool, compiling: bool) -> Sm90Prefill | None:
+    """The :class:`Sm90Prefill` that runs this call (eager, on CUDA, no LSE asked), or None."""
+    if compiling or return_lse or q.device.type != "cuda":
+        return None
+    return _sm90_prefill(q, k, v, cfg, is_causal, sm_scale)
+
+
 def quantized_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -419,9 +433,9 @@ def quantized_attention(
         ``o (B, H, Nq, D)`` in ``q``'s dtype, ``lse (B, H, Nq)`` float32 (empty unless asked).
     """
     compiling = torch.compiler.is_compiling()
-    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if not (compiling or return_lse or blocks is not None or q.device.type != "cuda"):
-        prefill = _sm90_prefill(q, k, v, cfg, is_causal, sm_scale)
+    sm_scale = _sm_scale(q, scale)
+    if blocks is None:
+        prefill = _eager_sm90_prefill(q, k, v, cfg, is_causal, sm_scale, return_lse, compiling)
         if prefill is not None:
             return prefill(q, k, v)
     quantize = quantize_qkv_op if compiling else quantize_qkv
@@ -486,6 +500,18 @@ def run(call):
     return (o, lse) if call.return_lse else o
 
 
+def plan(call):
+    """What :func:`run` launches for every call of ``call``'s signature, where that follows from the signature alone
+    (``dispatch.Implementation.plan``): the sm90 route's :class:`Sm90Prefill` (eager, no mask, no LSE, one head
+    slice); None elsewhere."""
+    q, k = call.q, call.k
+    if call.attn_mask is not None or len(head_chunks(call.config, q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+                                                      k.shape[2])) != 1:
+        return None
+    return _eager_sm90_prefill(q, k, call.v, call.config, call.is_causal, _sm_scale(q, call.scale), call.return_lse,
+                               torch.compiler.is_compiling())
+
+
 # last: the Gluon module needs Triton 3.6's triton.experimental.gluon
 try:
     from . import one_warpgroup_gluon as _attn_sm90
@@ -500,4 +526,4 @@ ATTENTION_GLUON = GluonGate("sage2 / int8-flash / fireq attention (head_dim 64, 
 PREFILL_PLANS = (qk_quant_triton._STATS_LAUNCH, qk_quant_triton._DELTA_S_LAUNCH, qk_quant_triton._KV_LAUNCH,
                  _attn_triton._ATTN_LAUNCH) + (() if _attn_gluon is None else (_attn_gluon._LAUNCH, _attn_sm90._LAUNCH))
 
-__all__ = ["NUMERICS", "call_unsupported", "config_unsupported", "quantized_attention", "run"]
+__all__ = ["NUMERICS", "call_unsupported", "config_unsupported", "plan", "quantized_attention", "run"]

@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..compiled_launch import LaunchPlans, cdiv, specialization
+from ..compiled_launch import LaunchPlans, cdiv, current_stream, specialization
 from ..gluon_compat import cta_barrier, tma_load
 from .pingpong_gluon import (
     _block_pv,
@@ -371,6 +371,12 @@ class Sm90Launch:
         tensors = (x.q_hat, x.q_scale, x.k_scale, x.v_scale, x.v_mean)
         self.plan_key = (out_dtype, x.k_hat.dtype, x.v_hat_t.dtype, specialization(tensors + self.ints))
         self.options = compile_options(d)
+        self.bound = None  # the launch's BoundLaunch once bind() found its plan
+
+    def bind(self, device: int) -> None:
+        """Bind the launch's plan on CUDA device ``device`` (made by a first call), so that later calls skip the plan
+        lookup (unbound while no call made it)."""
+        self.bound = _LAUNCH.bound(self.grid, self.constexprs, plan_key=self.plan_key, device=device, **self.options)
 
     def outputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``o`` and ``lse`` of a call, empty."""
@@ -381,12 +387,12 @@ class Sm90Launch:
         """Attend over ``x`` into ``o`` and ``lse`` (of :meth:`outputs`) on the current stream; ``device``: the CUDA
         device index where ``x`` holds addresses."""
         k_desc, vt_desc, ks_desc = self.descriptors
-        _LAUNCH(
-            self.grid,
-            (x.q_hat, _rebased(k_desc, x.k_hat), _rebased(vt_desc, x.v_hat_t), _rebased(ks_desc, x.k_scale),
-             x.q_scale, x.k_scale, x.v_scale, x.v_mean, o, lse, *self.ints, self.qk_scale),
-            self.constexprs, plan_key=self.plan_key, device=device, **self.options,
-        )
+        args = (x.q_hat, _rebased(k_desc, x.k_hat), _rebased(vt_desc, x.v_hat_t), _rebased(ks_desc, x.k_scale),
+                x.q_scale, x.k_scale, x.v_scale, x.v_mean, o, lse, *self.ints, self.qk_scale)
+        if self.bound is not None:
+            self.bound(current_stream(o.device.index if device is None else device), args)
+            return
+        _LAUNCH(self.grid, args, self.constexprs, plan_key=self.plan_key, device=device, **self.options)
 
 
 def attn_qk_int8_pv_fp8_sm90(

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..compiled_launch import DevicePointer, LaunchPlans, cdiv, interpreting, stream_key
+from ..compiled_launch import DevicePointer, LaunchPlans, cdiv, current_stream, interpreting, stream_key
 from ..quant_ref import FP8_MAX, cast_fp8, quantize_symmetric, quantize_tokens, symmetric_scale, token_absmax
 from ..rounding_triton import _div_by, _rne, _to_fp8e4m3
 
@@ -627,14 +627,19 @@ class QuantizePlan:
         # the launches' grids and integer arguments (the inputs' strides are this signature's)
         kv_strides = k.stride()[:3] + v.stride()[:3]
         stats_programs = nchunk * b * hkv if r.need_stats else 0
-        self.stats_grid = (stats_programs + nqb * b * h,)
         self.stats_ints = q.stride()[:3] + kv_strides + (nq, h, nqb, stats_programs, nk, hkv, nchunk, float(nk))
         short = interpreting() or nqb <= DS_TUNING["short_nqb"]
-        self.delta_s_constexprs = r.delta_s_constexprs[DS_TUNING["qb_tile_short"] if short else DS_TUNING["qb_tile"]]
-        self.delta_s_grid = (cdiv(nk_pad, _delta_s_tile(pad_to)), b * hkv)
         self.delta_s_ints = k.stride()[:3] + (nk, nk_pad, hkv, h // hkv, nqb, nk - nq)
-        self.kv_grid = (nkb, b * hkv)
         self.kv_ints = kv_strides + (nk, nk_pad, hkv, nkb)
+        # each launch's (plans, grid, constexprs, options): launch 2 only with smooth Q
+        self.specs = (
+            (_STATS_LAUNCH, (stats_programs + nqb * b * h,), r.stats_constexprs, dict(num_warps=Q_STATS_WARPS)),
+            (_DELTA_S_LAUNCH, (cdiv(nk_pad, _delta_s_tile(pad_to)), b * hkv),
+             r.delta_s_constexprs[DS_TUNING["qb_tile_short"] if short else DS_TUNING["qb_tile"]],
+             dict(num_warps=DS_TUNING["num_warps"], num_stages=DS_TUNING["num_stages"])),
+            (_KV_LAUNCH, (nkb, b * hkv), r.kv_constexprs, dict(num_warps=4)),
+        )
+        self.bound = None  # the launches' BoundLaunch es once bind() found their plans
         # what the launches' specialization follows from (LaunchPlans' plan_key): every int argument derives from
         # the inputs' shapes and strides, pad_to and the constexprs; every other pointer is an output, 256-byte
         # aligned, or a row of the scratch, 128-byte aligned
@@ -659,25 +664,39 @@ class QuantizePlan:
         self.launch(q, k, v, x, stats_scratch(q.device, *self.scratch_size))
         return x
 
+    def bind(self, device: int) -> None:
+        """Bind the launches' plans on CUDA device ``device`` (made by a first :meth:`launch`), so that later
+        launches skip the plan lookup; a launch whose plan is not made stays unbound (:meth:`launch` then looks it
+        up, and makes it)."""
+        bound = [plans.bound(grid, consts, plan_key=self.plan_key, device=device, **options)
+                 for plans, grid, consts, options in self.specs]
+        if all(b is not None for b in bound[::2]) and (bound[1] is not None or not self.smooth_q):
+            self.bound = tuple(bound)
+
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: QuantizedQKV,
                scratch: _StatsScratch) -> None:
         """The two or three launches into ``x``, on the current stream (inputs of this plan's signature)."""
         r = self.recipe
         vabs = torch.zeros(1, device=q.device, dtype=torch.float32) if r.need_vabs else scratch.empty
-        # launch 1: Q (block mean, smoothing, grouped quantization) beside the K/V statistics; each kv head's
-        # last statistics program reduces its partials into K̄, V̄ and the per-channel V scale
-        _STATS_LAUNCH(self.stats_grid,
-                      (q, x.q_hat, x.q_scale, x.q_mean, k, v, scratch.ksum, scratch.vsum, scratch.vmax, scratch.vmin,
-                       vabs, scratch.tickets, x.k_mean, x.v_mean, x.v_scale) + self.stats_ints,
-                      r.stats_constexprs, plan_key=self.plan_key, num_warps=Q_STATS_WARPS)
-        # launch 2: ΔS_raw = q̄ · Kᵀ on the raw K (needs q̄ only)
-        if self.smooth_q:
-            _DELTA_S_LAUNCH(self.delta_s_grid, (k, x.q_mean, x.delta_s) + self.delta_s_ints, self.delta_s_constexprs,
-                            plan_key=self.plan_key, num_warps=DS_TUNING["num_warps"],
-                            num_stages=DS_TUNING["num_stages"])
-        # launch 3: K and V (needs the statistics of launch 1)
-        _KV_LAUNCH(self.kv_grid, (k, v, x.k_hat, x.k_scale, x.k_mean, x.v_hat_t, x.v_scale, x.v_mean, vabs)
-                   + self.kv_ints, r.kv_constexprs, plan_key=self.plan_key, num_warps=4)
+        args = (
+            # launch 1: Q (block mean, smoothing, grouped quantization) beside the K/V statistics; each kv head's
+            # last statistics program reduces its partials into K̄, V̄ and the per-channel V scale
+            (q, x.q_hat, x.q_scale, x.q_mean, k, v, scratch.ksum, scratch.vsum, scratch.vmax, scratch.vmin, vabs,
+             scratch.tickets, x.k_mean, x.v_mean, x.v_scale) + self.stats_ints,
+            # launch 2: ΔS_raw = q̄ · Kᵀ on the raw K (needs q̄ only)
+            (k, x.q_mean, x.delta_s) + self.delta_s_ints if self.smooth_q else None,
+            # launch 3: K and V (needs the statistics of launch 1)
+            (k, v, x.k_hat, x.k_scale, x.k_mean, x.v_hat_t, x.v_scale, x.v_mean, vabs) + self.kv_ints,
+        )
+        if self.bound is not None:
+            stream = current_stream(q.device.index)
+            for bound, launch_args in zip(self.bound, args):
+                if launch_args is not None:
+                    bound(stream, launch_args)
+            return
+        for (plans, grid, consts, options), launch_args in zip(self.specs, args):
+            if launch_args is not None:
+                plans(grid, launch_args, consts, plan_key=self.plan_key, **options)
 
 
 def quantize_qkv(

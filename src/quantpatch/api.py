@@ -5,16 +5,26 @@ from __future__ import annotations
 import torch
 
 from quantpatch.config import AttentionConfig, ModeConfig
-from quantpatch.dispatch import AttentionCall, check_policy, run_on_device, select, speed_route
+from quantpatch.dispatch import (
+    AttentionCall,
+    attention_signature,
+    check_policy,
+    plan_attention,
+    planned_attention,
+    run_on_device,
+    select,
+    speed_route,
+)
 from quantpatch.fallback import current_site, fall_back, note_implementation, note_sdpa_route
 from quantpatch.modes import get_mode
-from quantpatch.range_check import check_once
+from quantpatch.range_check import check_once, checked
 
 LAYOUTS = ("BHSD", "BSHD")
 # Bound at import: the Diffusers patcher swaps torch.nn.functional.scaled_dot_product_attention
 # while a processor runs, and our own SDPA fallback must not re-enter it.
 _TORCH_SDPA = torch.nn.functional.scaled_dot_product_attention
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_PLANNED_MODES = (str, ModeConfig, AttentionConfig)  # modes a call signature may hold (hashable)
 
 
 def resolve_attention_config(mode: str | ModeConfig | AttentionConfig) -> AttentionConfig:
@@ -78,6 +88,28 @@ def _gqa(h: int, k: torch.Tensor) -> dict:
     return {"enable_gqa": True} if k.shape[1] != h else {}
 
 
+def _planned_call(q, k, v, mode, is_causal, scale, policy) -> tuple[tuple | None, torch.Tensor | None]:
+    """A BHSD call with no mask and no LSE: its signature (``dispatch.attention_signature``) where it may be planned
+    (eager, plain tensors, a mode and scale that hash by value), and its output where that signature's plan is kept,
+    the call's site (or config) checked already (``range_check.check_once``) and, on CUDA, its device the current
+    one: the plan's launches, the call counted on its site, nothing else of :func:`attention` run."""
+    if not (type(q) is type(k) is type(v) is torch.Tensor and isinstance(mode, _PLANNED_MODES)
+            and (scale is None or type(scale) in (float, int)) and not torch.compiler.is_compiling()):
+        return None, None
+    signature = attention_signature(q, k, v, mode, is_causal, scale, policy)
+    planned = planned_attention(signature)
+    if planned is None:
+        return signature, None
+    name, cfg, plan = planned
+    site = current_site()
+    if not checked(site, cfg) or (q.is_cuda and q.device.index != torch.cuda.current_device()):
+        return signature, None
+    o = plan(q, k, v)[0]
+    if site is not None:
+        site.count(name)
+    return signature, o
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -110,6 +142,11 @@ def attention(
         ``o`` in ``q``'s dtype and layout (and ``lse`` if asked). Inputs a quantized path cannot
         take (head dims outside [32, 256], ...) run through SDPA after one warning.
     """
+    signature = None
+    if attn_mask is None and not return_lse and layout == "BHSD":
+        signature, o = _planned_call(q, k, v, mode, is_causal, scale, policy)
+        if o is not None:
+            return o
     _validate(q, k, v, attn_mask, layout)
     if layout == "BSHD":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -155,6 +192,8 @@ def attention(
             note_implementation(impl.name)
             check_once(current_site(), q, k, v, cfg, is_causal=is_causal, scale=scale)
             result = run_on_device(impl, call)
+            if signature is not None and not declined:
+                plan_attention(signature, impl, call)
     o, lse = result if isinstance(result, tuple) else (result, None)
     o = o.to(q.dtype)
     if layout == "BSHD":

@@ -99,6 +99,9 @@ class Implementation:
     priority: int
     unsupported: Callable[[Any], str | None]
     run: Callable[[Any], Any]
+    # plan(call): where ``run`` computes every call of ``call``'s signature (:func:`attention_signature`) by the same
+    # launches, a function ``(q, k, v) -> (o, lse)`` that does so with no checks; None elsewhere
+    plan: Callable[[Any], Callable | None] | None = None
 
 
 class Quiet(str):
@@ -109,6 +112,11 @@ class Quiet(str):
 
 
 _REGISTRY: dict[str, dict[str, list[Implementation]]] = {op: {key: [] for key in keys} for op, keys in OPS.items()}
+# quantpatch.attention's planned calls: a call's signature (:func:`attention_signature`) → (the implementation's
+# name, the call's attention config, its plan ``(q, k, v) -> (o, lse)``), kept where the chosen implementation had a
+# plan (``Implementation.plan``): a later call of the signature runs the plan, its route and checks already made
+_PLANNED: dict[tuple, tuple[str, AttentionConfig, Callable]] = {}
+PLANNED_SIGNATURES = 256  # kept; past it, all are dropped
 
 
 def register(op: str, key: str, impl: Implementation) -> None:
@@ -119,6 +127,7 @@ def register(op: str, key: str, impl: Implementation) -> None:
         raise ValueError(f"unknown key {key!r} of op {op!r}; valid: {sorted(_REGISTRY[op])}")
     others = [i for i in _REGISTRY[op][key] if i.name != impl.name]
     _REGISTRY[op][key] = sorted([*others, impl], key=lambda i: -i.priority)
+    _PLANNED.clear()  # a planned call's implementation may no longer be the one chosen
 
 
 def implementations(op: str, key: str) -> list[Implementation]:
@@ -166,7 +175,7 @@ def load_kernels(module: str) -> None:
 
 def _register_attention_kernels(kernels: ModuleType) -> None:
     """The attention kernels as one implementation of every numerics family they compute."""
-    impl = Implementation("triton", 10, kernels.call_unsupported, kernels.run)
+    impl = Implementation("triton", 10, kernels.call_unsupported, kernels.run, kernels.plan)
     for numerics in kernels.NUMERICS:
         register("attention", numerics, impl)
 
@@ -326,9 +335,36 @@ def speed_route(call: AttentionCall, lengths: tuple[int, int] | None = None
     return impl, declined, None
 
 
+def attention_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: Any, is_causal: bool,
+                        scale: float | None, policy: str) -> tuple:
+    """What a ``quantpatch.attention`` call in BHSD layout with no mask and no LSE is decided by: the inputs' shapes,
+    strides, dtypes, devices and 16-byte alignment (what the kernels specialize on), the mode as given, causality,
+    scale and policy."""
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, mode, is_causal, scale,
+            policy)
+
+
+def planned_attention(signature: tuple) -> tuple[str, AttentionConfig, Callable] | None:
+    """The planned call of ``signature`` (None: none kept)."""
+    return _PLANNED.get(signature)
+
+
+def plan_attention(signature: tuple, impl: Implementation, call: AttentionCall) -> None:
+    """Keep ``impl``'s plan for ``call`` (which ``impl`` just ran, chosen with no implementation declining it) under
+    ``signature``, where it has one."""
+    plan = None if impl.plan is None else impl.plan(call)
+    if plan is not None:
+        if len(_PLANNED) >= PLANNED_SIGNATURES:
+            _PLANNED.clear()
+        _PLANNED[signature] = (impl.name, call.config, plan)
+
+
 def forget_crossovers() -> None:
-    """Drop the cached routing decisions (after ``quantpatch tune``, and in tests)."""
+    """Drop the cached routing decisions and the planned calls they made (after ``quantpatch tune``, and in
+    tests)."""
     _CROSSOVERS.clear()
+    _PLANNED.clear()
     routing.forget_tables()
 
 

@@ -62,18 +62,21 @@ def sample_cos_sim(q, k, v, cfg: AttentionConfig, *, is_causal: bool, scale: flo
     return cos_sim(out, ref)
 
 
+def checked(site: SiteRecord | None, cfg: AttentionConfig) -> bool:
+    """Whether :func:`check_once` has sampled ``site`` (``cfg``, for calls outside a patched model) already."""
+    return site.range_checked if site is not None else _checked_configs.get(id(cfg)) is cfg
+
+
 def check_once(site: SiteRecord | None, q, k, v, cfg: AttentionConfig, *, is_causal: bool,
                scale: float | None) -> None:
     """On the first quantized call of ``site`` (of ``cfg`` for calls outside a patched model), warn if the sample's
     CosSim is below :func:`collapse_floor`."""
     if torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return  # no host sync inside a trace or a CUDA-graph capture
-    if site is not None:
-        if site.range_checked:
-            return
-        site.range_checked = True
-    elif _checked_configs.get(id(cfg)) is cfg:
+    if checked(site, cfg):
         return
+    if site is not None:
+        site.range_checked = True
     else:
         _checked_configs[id(cfg)] = cfg
     cos = sample_cos_sim(q, k, v, cfg, is_causal=is_causal, scale=scale)

@@ -257,6 +257,38 @@ def test_gpu_sm90_prefill_plan_gives_the_general_paths_bits(mode, head_dim, caus
 @pytest.mark.gpu
 @needs_cuda
 @hopper
+@pytest.mark.parametrize("mode, causal", [("sage2-8b", False), ("fireq", True)])
+def test_gpu_a_planned_attention_call_gives_the_whole_paths_bits(mode, causal):
+    """``quantpatch.attention``'s later calls of a signature run the kept ``Sm90Prefill`` alone (``dispatch``'s
+    planned calls, the launches bound to their plans) and give the whole path's output bit for bit, on new input
+    contents."""
+    import quantpatch as qp
+    from quantpatch import dispatch
+
+    cfg = qp.get_mode(mode).attention
+
+    def inputs(seed):
+        q, k, v = attention_inputs("outliers", batch=1, heads=4, kv_heads=2, seq_q=4000, seq_k=4100, head_dim=128,
+                                   seed=seed)
+        return [t.to("cuda", torch.bfloat16) for t in (q, k, v)]
+
+    def call(q, k, v):
+        return qp.attention(q, k, v, mode=mode, is_causal=causal, strict=True)
+
+    sets = [inputs(seed) for seed in range(3)]
+    dispatch.forget_crossovers()
+    first = call(*sets[0])
+    name, _, plan = dispatch.planned_attention(dispatch.attention_signature(*sets[1], mode, causal, None, "always"))
+    assert name == "triton" and plan.quantize.bound is not None and plan.attend.bound is not None
+    later = [call(*s) for s in sets[1:]]
+    for out, s in zip([first, *later], sets):
+        assert torch.equal(out, _general_path(*s, cfg, causal))
+    assert not torch.equal(later[0], later[1])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@hopper
 def test_gpu_sm90_prefill_plan_replays_in_a_cuda_graph():
     """The plan's workspace comes from the graph's pool while a CUDA graph captures: replays follow the captured
     inputs' new contents, bit for bit against eager calls between them."""

@@ -196,3 +196,64 @@ def test_turbo_compression_goes_through_the_registry(registry):
     assert all(torch.equal(a, b) for a, b in zip(layer.k_blocks.codes + layer.v_blocks.codes,
                                                   again.k_blocks.codes + again.v_blocks.codes))
     assert torch.equal(layer.k_buffer.values, again.k_buffer.values)
+
+
+def test_a_planned_attention_call_runs_its_plan_from_the_second_call_of_a_signature(registry, monkeypatch):
+    """``quantpatch.attention`` keeps the chosen implementation's plan per call signature (shapes, strides, dtypes,
+    devices, alignment, mode, causality, scale, policy): the signature's later calls run the plan alone and count
+    on their site, a site not yet range-checked takes the whole path once, and any other signature, a mask, an LSE,
+    a new registration or forgotten crossovers take the whole path."""
+    import quantpatch as qp
+    from quantpatch import range_check
+
+    monkeypatch.setattr(dispatch, "_PLANNED", {})
+    monkeypatch.setattr(range_check, "_checked_configs", {})
+    events = []
+
+    def run(call):
+        events.append("run")
+        o = torch.zeros_like(call.q)
+        return (o, torch.zeros(call.q.shape[:3])) if call.return_lse else o
+
+    def planned(q, k, v):
+        events.append("plan")
+        return torch.ones_like(q), None
+
+    def plan(call):
+        return planned if call.attn_mask is None and not call.return_lse else None
+
+    dispatch.register("attention", "sage2", Implementation("stub", 100, lambda call: None, run, plan))
+    q, k, v = (torch.randn(1, 2, 16, 64) for _ in range(3))
+
+    def call(*tensors, **kw):
+        return qp.attention(*(tensors or (q, k, v)), mode="sage2-8b", **kw)
+
+    assert torch.equal(call(), torch.zeros_like(q)) and events == ["run"]
+    assert torch.equal(call(), torch.ones_like(q)) and events == ["run", "plan"]
+    events.clear()
+    call(q[:, :, :8], k, v)  # another shape
+    call(scale=0.5)
+    call(is_causal=True)
+    call(policy="speed")  # the CPU runs SDPA under policy="speed": no implementation, no plan
+    call(attn_mask=torch.ones(16, 16, dtype=torch.bool))
+    call(return_lse=True)
+    call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout="BSHD")
+    assert events == ["run"] * 3 + ["run"] * 3
+    events.clear()
+    call(scale=0.5)
+    assert events == ["plan"]
+
+    site = SiteRecord("layers.0.self_attn", "attention", "sage2-8b")
+    events.clear()
+    with running_site(site):
+        call()  # the site's first call: range-checked on the whole path
+        call()
+    assert events == ["run", "plan"] and site.routes == {"stub": 2} and site.range_checked
+
+    dispatch.register("attention", "sage2", Implementation("stub", 100, lambda call: None, run, plan))
+    events.clear()
+    call()
+    call()
+    dispatch.forget_crossovers()
+    call()
+    assert events == ["run", "plan", "run"]
