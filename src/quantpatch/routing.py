@@ -235,7 +235,9 @@ def tune(
     path = Path(out) if out is not None else user_table_path(architecture)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1) + "\n")
-    forget_tables()
+    from quantpatch.dispatch import forget_crossovers  # dispatch imports this module
+
+    forget_crossovers()  # this process's routing decisions follow the new table
     logger.info("quantpatch tune: wrote %s", path)
     return table
 

@@ -168,6 +168,14 @@ def test_tune_writes_a_table_from_measured_times(tmp_path):
         routing.tune(modes=["sage2-8b"], repeats=0, device="cpu", out=out)
 
 
+def test_tune_refreshes_the_routing_decisions_this_process_made():
+    assert "not measured on sm_90 (D=32" in dispatch.speed_reason(SAGE, CUDA, 32, 16, 16, False)  # now cached
+    times = iter([1.0, 0.5] * 6)  # SDPA, then sage2-8b twice as fast, at each length, non-causal then causal
+    routing.tune(modes=["sage2-8b"], head_dims=[32], lengths=[16, 32, 64], heads=2, device="cpu",
+                 timer=lambda fn: next(times), repeats=1, out=routing.user_table_path("sm_90"))
+    assert dispatch.speed_reason(SAGE, CUDA, 32, 16, 16, False) is None
+
+
 def test_invalid_policy_is_refused():
     q, k, v = attention_inputs("randn", heads=2, seq_q=8, head_dim=32)
     with pytest.raises(ValueError, match="policy='fast'"):
