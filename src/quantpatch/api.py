@@ -88,14 +88,18 @@ def _gqa(h: int, k: torch.Tensor) -> dict:
     return {"enable_gqa": True} if k.shape[1] != h else {}
 
 
-def _planned_call(q, k, v, mode, is_causal, scale, policy) -> tuple[tuple | None, torch.Tensor | None]:
-    """A BHSD call with no mask and no LSE: its signature (``dispatch.attention_signature``) where it may be planned
-    (eager, plain tensors, a mode and scale that hash by value), and its output where that signature's plan is kept,
-    the call's site (or config) checked already (``range_check.check_once``) and, on CUDA, its device the current
-    one: the plan's launches, the call counted on its site, nothing else of :func:`attention` run."""
-    if not (type(q) is type(k) is type(v) is torch.Tensor and isinstance(mode, _PLANNED_MODES)
+def _planned_call(q, k, v, mode, is_causal, scale, layout, policy) -> tuple[tuple | None, torch.Tensor | None]:
+    """A call with no mask and no LSE: its signature (``dispatch.attention_signature`` of the BHSD views) where it
+    may be planned (eager, plain 4-D tensors, a mode and scale that hash by value), and its output where that
+    signature's plan is kept, the call's site (or config) checked already (``range_check.check_once``) and, on CUDA,
+    its device the current one: the plan's launches, the call counted on its site, nothing else of :func:`attention`
+    run."""
+    if not (type(q) is type(k) is type(v) is torch.Tensor and q.dim() == k.dim() == v.dim() == 4
+            and layout in LAYOUTS and isinstance(mode, _PLANNED_MODES)
             and (scale is None or type(scale) in (float, int)) and not torch.compiler.is_compiling()):
         return None, None
+    if layout == "BSHD":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     signature = attention_signature(q, k, v, mode, is_causal, scale, policy)
     planned = planned_attention(signature)
     if planned is None:
@@ -107,7 +111,7 @@ def _planned_call(q, k, v, mode, is_causal, scale, policy) -> tuple[tuple | None
     o = plan(q, k, v)[0]
     if site is not None:
         site.count(name)
-    return signature, o
+    return signature, o.transpose(1, 2) if layout == "BSHD" else o
 
 
 def attention(
@@ -143,8 +147,8 @@ def attention(
         take (head dims outside [32, 256], ...) run through SDPA after one warning.
     """
     signature = None
-    if attn_mask is None and not return_lse and layout == "BHSD":
-        signature, o = _planned_call(q, k, v, mode, is_causal, scale, policy)
+    if attn_mask is None and not return_lse:
+        signature, o = _planned_call(q, k, v, mode, is_causal, scale, layout, policy)
         if o is not None:
             return o
     _validate(q, k, v, attn_mask, layout)

@@ -337,9 +337,9 @@ def speed_route(call: AttentionCall, lengths: tuple[int, int] | None = None
 
 def attention_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: Any, is_causal: bool,
                         scale: float | None, policy: str) -> tuple:
-    """What a ``quantpatch.attention`` call in BHSD layout with no mask and no LSE is decided by: the inputs' shapes,
-    strides, dtypes, devices and 16-byte alignment (what the kernels specialize on), the mode as given, causality,
-    scale and policy."""
+    """What a ``quantpatch.attention`` call with no mask and no LSE is decided by, from its inputs as BHSD views: their
+    shapes, strides, dtypes, devices and 16-byte alignment (what the kernels specialize on), the mode as given,
+    causality, scale and policy."""
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
             k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, mode, is_causal, scale,
             policy)

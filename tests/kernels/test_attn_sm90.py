@@ -257,11 +257,12 @@ def test_gpu_sm90_prefill_plan_gives_the_general_paths_bits(mode, head_dim, caus
 @pytest.mark.gpu
 @needs_cuda
 @hopper
-@pytest.mark.parametrize("mode, causal", [("sage2-8b", False), ("fireq", True)])
-def test_gpu_a_planned_attention_call_gives_the_whole_paths_bits(mode, causal):
+@pytest.mark.parametrize("mode, causal, layout", [("sage2-8b", False, "BHSD"), ("fireq", True, "BHSD"),
+                                                  ("sage2-8b", False, "BSHD")])
+def test_gpu_a_planned_attention_call_gives_the_whole_paths_bits(mode, causal, layout):
     """``quantpatch.attention``'s later calls of a signature run the kept ``Sm90Prefill`` alone (``dispatch``'s
     planned calls, the launches bound to their plans) and give the whole path's output bit for bit, on new input
-    contents."""
+    contents, in either layout (BSHD: Diffusers' processors)."""
     import quantpatch as qp
     from quantpatch import dispatch
 
@@ -272,17 +273,25 @@ def test_gpu_a_planned_attention_call_gives_the_whole_paths_bits(mode, causal):
                                    seed=seed)
         return [t.to("cuda", torch.bfloat16) for t in (q, k, v)]
 
+    def as_layout(t):  # BSHD storage seen as BHSD views
+        return t.transpose(1, 2).contiguous().transpose(1, 2) if layout == "BSHD" else t
+
     def call(q, k, v):
-        return qp.attention(q, k, v, mode=mode, is_causal=causal, strict=True)
+        args = [as_layout(t) for t in (q, k, v)]
+        if layout == "BSHD":
+            args = [t.transpose(1, 2) for t in args]
+        o = qp.attention(*args, mode=mode, is_causal=causal, layout=layout, strict=True)
+        return o.transpose(1, 2) if layout == "BSHD" else o
 
     sets = [inputs(seed) for seed in range(3)]
     dispatch.forget_crossovers()
     first = call(*sets[0])
-    name, _, plan = dispatch.planned_attention(dispatch.attention_signature(*sets[1], mode, causal, None, "always"))
+    views = [as_layout(t) for t in sets[1]]
+    name, _, plan = dispatch.planned_attention(dispatch.attention_signature(*views, mode, causal, None, "always"))
     assert name == "triton" and plan.quantize.bound is not None and plan.attend.bound is not None
     later = [call(*s) for s in sets[1:]]
     for out, s in zip([first, *later], sets):
-        assert torch.equal(out, _general_path(*s, cfg, causal))
+        assert torch.equal(out, _general_path(*[as_layout(t) for t in s], cfg, causal))
     assert not torch.equal(later[0], later[1])
 
 

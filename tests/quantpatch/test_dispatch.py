@@ -237,11 +237,15 @@ def test_a_planned_attention_call_runs_its_plan_from_the_second_call_of_a_signat
     call(policy="speed")  # the CPU runs SDPA under policy="speed": no implementation, no plan
     call(attn_mask=torch.ones(16, 16, dtype=torch.bool))
     call(return_lse=True)
-    call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout="BSHD")
+    bshd = [t.transpose(1, 2).contiguous() for t in (q, k, v)]
+    call(*bshd, layout="BSHD")  # other strides as BHSD views
     assert events == ["run"] * 3 + ["run"] * 3
     events.clear()
     call(scale=0.5)
-    assert events == ["plan"]
+    out = call(*bshd, layout="BSHD")
+    assert events == ["plan", "plan"] and out.shape == bshd[0].shape and torch.equal(out, torch.ones_like(out))
+    with pytest.raises(ValueError, match="layout"):
+        call(layout="BSDH")
 
     site = SiteRecord("layers.0.self_attn", "attention", "sage2-8b")
     events.clear()
