@@ -6,6 +6,9 @@ Rows (µs per call, median of repeats of ``--calls`` back-to-back calls, then on
 * ``patched-speed``: the same call through quantpatch's registered attention under ``policy="speed"``
   (a short call: routed to the model's own attention);
 * ``patched-always``: the mode's quantized path (quantization launches and the kernel), ``policy="always"``;
+* ``sdpa-short`` / ``attention-short`` (GPU only): ``F.scaled_dot_product_attention`` and
+  ``quantpatch.attention(..., policy="always", strict=True)`` back to back at a launch-bound shape of the kernel
+  route (B=1, 2 heads, 1024 tokens, D = 128): the public call's host time once its signature is planned;
 * ``sdpa-long`` / ``patched-kernel`` (GPU only): one call of ``F.scaled_dot_product_attention`` and of
   ``quantpatch.attention(..., policy="always", strict=True)`` at a shape whose GPU work outlasts the host's
   (``--long-heads`` heads of ``--long-seq`` tokens, D = 128, Flux.1-dev's by default: the kernel route,
@@ -61,6 +64,17 @@ def host_once_us(fn: Callable[[], object], device: torch.device, repeats: int) -
     host_ms: list[float] = []
     time_calls(fn, device, warmup=3, reps=repeats, host_ms=host_ms)
     return statistics.median(host_ms) * 1e3
+
+
+def short_kernel_rows(args, device: torch.device) -> list[dict]:
+    """``F.scaled_dot_product_attention`` and ``quantpatch.attention(..., policy="always", strict=True)`` at a
+    launch-bound shape that takes the kernel route (B=1, ``--short-heads`` heads, 1024 tokens, D = 128), back to back:
+    the public call's host time from its signature's second call on (a planned call: route and checks made once)."""
+    q, k, v = (torch.randn(1, args.short_heads, 1024, 128, device=device, dtype=torch.bfloat16) for _ in range(3))
+    calls = {"sdpa-short": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+             "attention-short": lambda: quantpatch.attention(q, k, v, mode=args.mode, policy="always", strict=True)}
+    return [dict(row=name, us=host_us(fn, device, args.calls, args.repeats), baseline="sdpa-short")
+            for name, fn in calls.items()]
 
 
 def kernel_route_rows(args, device: torch.device) -> list[dict]:
@@ -129,6 +143,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=16, help="tokens per call (short: launch-bound)")
     p.add_argument("--calls", type=int, default=500)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--short-heads", type=int, default=2, help="heads of the launch-bound kernel-route rows (GPU)")
     p.add_argument("--long-seq", type=int, default=4608, help="tokens of the kernel-route rows (GPU)")
     p.add_argument("--long-heads", type=int, default=24)
     p.add_argument("--single-calls", type=int, default=200, help="calls timed alone for the kernel-route rows")
@@ -140,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     device = torch.device(args.device)
     rows = attention_rows(args, device)
     if device.type == "cuda":
+        rows += short_kernel_rows(args, device)
         rows += kernel_route_rows(args, device)
         rows += linear_rows(args, device)
     rows = with_overheads(rows)
