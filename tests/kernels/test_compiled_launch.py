@@ -214,6 +214,36 @@ def test_direct_launch_declines_launchers_it_does_not_know(monkeypatch):
     assert compiled_launch.DirectLaunch.of(kernel) is None  # another base argument layout
 
 
+def test_a_bound_launch_is_its_plans_kernel_with_the_grid_and_constexprs(monkeypatch):
+    """``LaunchPlans.bound``: the compiled kernel of a made plan (None for a key no launch made, and under the
+    interpreter), launched by its direct launch with the runtime arguments and the stream alone; it keeps launching
+    that kernel after the plans are cleared."""
+    from quantpatch.kernels import compiled_launch
+
+    _stub_launches(monkeypatch)
+    c_calls = []
+    compiled = _fake_triton36_launcher(monkeypatch, c_calls, [])
+    monkeypatch.setattr(compiled_launch, "_DIRECT", {})
+    kernel = _RecordingKernel()
+    kernel.arg_names = ["X_ptr", "D_desc", "n", "E_desc", "BLOCK", "FLAG"]
+    plans = compiled_launch.LaunchPlans(kernel)
+    consts = dict(BLOCK=16, FLAG=True)
+    assert plans.bound((3,), consts, plan_key=("key",), device=0, num_warps=4) is None  # not made yet
+    plans._plans[(0, (16, True), (("num_warps", 4),), ("key",))] = compiled  # as a first launch makes it
+    bound = plans.bound((3,), consts, plan_key=("key",), device=0, num_warps=4)
+    for other in (dict(plan_key=("other",), device=0, num_warps=4), dict(plan_key=("key",), device=1, num_warps=4),
+                  dict(plan_key=("key",), device=0, num_warps=8)):
+        assert plans.bound((3,), consts, **other) is None
+    plans.clear()
+    bound(9, ("x", _Descriptor(4096), 5, _Descriptor(8192)))
+    grid_and_stream, (function, packed), args = c_calls[0][:4], (c_calls[0][4], c_calls[0][9]), c_calls[0][13:]
+    assert grid_and_stream == (3, 1, 1, 9) and (function, packed) == (77, ("packed",))
+    assert args[:2] == ("x", "map4096:meta1") and "map8192:meta3" in args and args[-2:] == (16, True)
+    monkeypatch.setattr(compiled_launch, "_INTERPRETING", True)
+    plans._plans[(0, (16, True), (("num_warps", 4),), ("key",))] = compiled
+    assert plans.bound((3,), consts, plan_key=("key",), device=0, num_warps=4) is None
+
+
 def test_relaunch_drops_empty_hook_chains_and_keeps_set_ones(monkeypatch):
     from triton import knobs
 
