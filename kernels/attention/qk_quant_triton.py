@@ -631,12 +631,13 @@ class QuantizePlan:
         short = interpreting() or nqb <= DS_TUNING["short_nqb"]
         self.delta_s_ints = k.stride()[:3] + (nk, nk_pad, hkv, h // hkv, nqb, nk - nq)
         self.kv_ints = kv_strides + (nk, nk_pad, hkv, nkb)
-        # each launch's (plans, grid, constexprs, options): launch 2 only with smooth Q
+        # the launches' (plans, grid, constexprs, options) in order; the ΔS launch only with smooth Q
+        delta_s = ((_DELTA_S_LAUNCH, (cdiv(nk_pad, _delta_s_tile(pad_to)), b * hkv),
+                    r.delta_s_constexprs[DS_TUNING["qb_tile_short"] if short else DS_TUNING["qb_tile"]],
+                    dict(num_warps=DS_TUNING["num_warps"], num_stages=DS_TUNING["num_stages"])),) if smooth_q else ()
         self.specs = (
             (_STATS_LAUNCH, (stats_programs + nqb * b * h,), r.stats_constexprs, dict(num_warps=Q_STATS_WARPS)),
-            (_DELTA_S_LAUNCH, (cdiv(nk_pad, _delta_s_tile(pad_to)), b * hkv),
-             r.delta_s_constexprs[DS_TUNING["qb_tile_short"] if short else DS_TUNING["qb_tile"]],
-             dict(num_warps=DS_TUNING["num_warps"], num_stages=DS_TUNING["num_stages"])),
+            *delta_s,
             (_KV_LAUNCH, (nkb, b * hkv), r.kv_constexprs, dict(num_warps=4)),
         )
         self.bound = None  # the launches' BoundLaunch es once bind() found their plans
@@ -668,10 +669,10 @@ class QuantizePlan:
         """Bind the launches' plans on CUDA device ``device`` (made by a first :meth:`launch`), so that later
         launches skip the plan lookup; a launch whose plan is not made stays unbound (:meth:`launch` then looks it
         up, and makes it)."""
-        bound = [plans.bound(grid, consts, plan_key=self.plan_key, device=device, **options)
-                 for plans, grid, consts, options in self.specs]
-        if all(b is not None for b in bound[::2]) and (bound[1] is not None or not self.smooth_q):
-            self.bound = tuple(bound)
+        bound = tuple(plans.bound(grid, consts, plan_key=self.plan_key, device=device, **options)
+                      for plans, grid, consts, options in self.specs)
+        if None not in bound:
+            self.bound = bound
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: QuantizedQKV,
                scratch: _StatsScratch) -> None:
@@ -683,20 +684,18 @@ class QuantizePlan:
             # last statistics program reduces its partials into K̄, V̄ and the per-channel V scale
             (q, x.q_hat, x.q_scale, x.q_mean, k, v, scratch.ksum, scratch.vsum, scratch.vmax, scratch.vmin, vabs,
              scratch.tickets, x.k_mean, x.v_mean, x.v_scale) + self.stats_ints,
-            # launch 2: ΔS_raw = q̄ · Kᵀ on the raw K (needs q̄ only)
-            (k, x.q_mean, x.delta_s) + self.delta_s_ints if self.smooth_q else None,
-            # launch 3: K and V (needs the statistics of launch 1)
+            # with smooth Q, ΔS_raw = q̄ · Kᵀ on the raw K (needs q̄ only)
+            *(((k, x.q_mean, x.delta_s) + self.delta_s_ints,) if self.smooth_q else ()),
+            # then K and V (needs the statistics of launch 1)
             (k, v, x.k_hat, x.k_scale, x.k_mean, x.v_hat_t, x.v_scale, x.v_mean, vabs) + self.kv_ints,
         )
         if self.bound is not None:
             stream = current_stream(q.device.index)
             for bound, launch_args in zip(self.bound, args):
-                if launch_args is not None:
-                    bound(stream, launch_args)
+                bound(stream, launch_args)
             return
         for (plans, grid, consts, options), launch_args in zip(self.specs, args):
-            if launch_args is not None:
-                plans(grid, launch_args, consts, plan_key=self.plan_key, **options)
+            plans(grid, launch_args, consts, plan_key=self.plan_key, **options)
 
 
 def quantize_qkv(
