@@ -26,7 +26,8 @@ Columns: ``sdpa`` (the unpatched model, PyTorch's SDPA backend choice: the basel
 ``--linear fp8`` each of them again as ``MODE+fp8`` (``patch_model(model, MODE, linear="fp8")``: the transformer
 blocks' linears in FP8, cross-attention projections kept bf16; ``--linear-exclude`` keeps instead the linears whose
 name contains one of its substrings in bf16, and given no substring swaps every block linear)
-and ``off+fp8`` (FP8 linears, attention unpatched), and for
+and ``off+fp8`` (FP8 linears, attention unpatched); ``--linear fp8-fast`` the same with the FP8 GEMMs' fast
+accumulation (``LinearConfig(kind="fp8", fast_accum=True)``, columns ``MODE+fp8-fast``), and for
 Diffusers rows ``diffusers-sage`` (``transformer.set_attention_backend("sage")``) when the ``sageattention``
 package is importable (skipped with a note otherwise). Each column gives ``ms`` (median), ``speedup`` (the
 ``sdpa`` time over the column's) and the output's CosSim and relative L1 against the ``sdpa`` column's output
@@ -87,10 +88,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (the shared benchmark harness, beside this script)
 
+from quantpatch.config import LinearConfig  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "eval" / "results" / "bench_models"
 MODES = ("sage2-8b", "sage2-4b", "int8-flash", "turbo", "fireq")
 BASELINE, CUDNN, SAGE = "sdpa", "sdpa-cudnn", "diffusers-sage"
+# --linear: patch_model's linear argument of each choice (the MODE+CHOICE columns)
+LINEAR_OPTIONS = {"fp8": "fp8", "fp8-fast": LinearConfig(kind="fp8", fast_accum=True)}
 logger = logging.getLogger("quantpatch").getChild("eval.bench_models")
 
 # --------------------------------------------------------------------------- configs (public config.json values)
@@ -462,7 +467,7 @@ def column_setup(column: str, model: torch.nn.Module, record: dict, policy: str 
         mode, _, linear = column.partition("+")
         options = {} if policy is None else {"policy": policy}
         if linear:
-            options["linear"] = linear
+            options["linear"] = LINEAR_OPTIONS[linear]
             if linear_exclude is not None:
                 options["linear_exclude"] = list(linear_exclude)
         with quantpatch.patch_model(model, mode, **options) as handle:
@@ -665,8 +670,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="keep N transformer blocks (every row, or ROW=N for one row)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu (or any non-CUDA device): tiny configs and inputs")
-    p.add_argument("--linear", choices=["fp8"], default=None,
-                   help="also run each mode (and the unpatched attention, 'off') with the blocks' linears in FP8")
+    p.add_argument("--linear", choices=list(LINEAR_OPTIONS), default=None,
+                   help="also run each mode (and the unpatched attention, 'off') with the blocks' linears in FP8 "
+                        "(fp8-fast: with the GEMMs' fast accumulation)")
     p.add_argument("--linear-exclude", nargs="*", default=None, metavar="SUBSTRING",
                    help="with --linear: linears whose name contains one of these stay bf16 (patch_model's "
                         "linear_exclude, e.g. ffn), instead of the cross-attention projections; with no substring "
@@ -693,7 +699,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     if args.linear_exclude is not None and not args.linear:
-        p.error("--linear-exclude filters the FP8 columns' linears: pass --linear fp8")
+        p.error("--linear-exclude filters the FP8 columns' linears: pass --linear fp8 (or fp8-fast)")
     if args.decode_tokens < 3:
         p.error("--decode-tokens must be at least 3 (two decode steps to time)")
     layer_cuts(args.layers)  # validate now, not after the first rows

@@ -101,11 +101,12 @@ def block_linears(root: nn.Module, attention_modules: list[str]) -> dict[str, nn
 
 
 def patch_linears(model: Any, handle: PatchHandle, *, strict: bool, include: list[str] | None,
-                  exclude: list[str] | None) -> None:
+                  exclude: list[str] | None, fast_accum: bool = False) -> None:
     """Swap the block linears of ``model`` for :class:`~quantpatch.fp8_linear.FP8Linear`, recording each swap
     (and each layer kept) in ``handle`` as a site of kind ``"linear"``. Call after the attention patcher. Under the
     handle's ``policy="speed"`` each FP8 layer calls its original where FP8 cannot be faster. ``exclude=None``
-    keeps the cross-attention linears (:func:`in_cross_attention`; module docstring)."""
+    keeps the cross-attention linears (:func:`in_cross_attention`; module docstring). ``fast_accum``: the layers'
+    GPU GEMMs accumulate in the tensor cores' precision (:class:`~quantpatch.config.LinearConfig`)."""
     from quantpatch.fp8_linear import FP8Linear, scaled_mm_unsupported, shape_unsupported
 
     root = transformer_root(model)
@@ -131,9 +132,9 @@ def patch_linears(model: Any, handle: PatchHandle, *, strict: bool, include: lis
         fp8 = swapped.get(id(linear))
         if fp8 is None:
             fp8 = swapped[id(linear)] = FP8Linear.from_linear(linear)
-            fp8.original, fp8.speed_policy = (linear,), handle.policy == "speed"
-            fp8.site = handle.add_site(fqn, "linear", "quantpatch FP8Linear (e4m3 weights per channel, "
-                                                      "activations per token)")
+            fp8.original, fp8.speed_policy, fp8.fast_accum = (linear,), handle.policy == "speed", fast_accum
+            fp8.site = handle.add_site(fqn, "linear", "quantpatch FP8Linear (e4m3 weights per channel, activations "
+                                                      f"per token{', fast accumulation' if fast_accum else ''})")
         parent, _, child = fqn.rpartition(".")
         handle.setitem(root.get_submodule(parent)._modules, child, fp8)
         # route decided now for the weights' device and dtype, so that calls (and torch.compile traces) only read it

@@ -15,7 +15,9 @@
   scaling takes on this GPU): the Triton kernel of :mod:`quantpatch.kernels.fp8_linear.fp8_quant_triton` quantizes
   the activations in one launch (bit for bit the reference's ``x_fp8``, ``s_x``), then
   ``torch._scaled_mm(x_fp8, W_fp8ᵀ, scale_a=s_x (M, 1), scale_b=s_w (1, N), bias, out_dtype=x.dtype)``
-  with ``use_fast_accum=False`` (FP8 MMA partials promoted to float32).
+  with ``use_fast_accum=False`` (FP8 MMA partials promoted to float32), or ``True`` for a layer made with
+  ``LinearConfig(kind="fp8", fast_accum=True)`` (the tensor cores' own accumulation: faster, a small added error;
+  :class:`~quantpatch.config.LinearConfig`).
 * ``"reference"`` elsewhere: on the CPU that is the path (silent); a CUDA device the GPU path cannot
   serve warns once with the reason and records it in the handle's report.
 
@@ -116,9 +118,10 @@ def _activation_quantizer() -> Callable[[torch.Tensor], tuple[torch.Tensor, torc
 
 def scaled_mm_rowwise(x: torch.Tensor, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                       weight_fp8: torch.Tensor, weight_scale_row: torch.Tensor,
-                      bias: torch.Tensor | None) -> torch.Tensor:
+                      bias: torch.Tensor | None, fast_accum: bool = False) -> torch.Tensor:
     """``y = (x̂ · W_fp8ᵀ) ⊙ s_x ⊙ s_w + b`` with row-wise scales in one ``torch._scaled_mm``, FP8 MMA partials
-    promoted to float32 (``use_fast_accum=False``): the FP8 GEMM of the GPU paths of this module and of ``"lut"``
+    promoted to float32 (``use_fast_accum=False``; ``fast_accum=True``: accumulated in the tensor cores' own
+    precision): the FP8 GEMM of the GPU paths of this module and of ``"lut"``
     :class:`~quantpatch.w4a8_linear.W4A8Linear` layers.
 
     Args:
@@ -135,7 +138,7 @@ def scaled_mm_rowwise(x: torch.Tensor, quantize: Callable[[torch.Tensor], tuple[
     x2 = x.reshape(-1, k)
     x_fp8, x_scale = quantize(x2 if x2.stride(-1) == 1 else x2.contiguous())
     y = torch._scaled_mm(x_fp8, weight_fp8.t(), scale_a=x_scale, scale_b=weight_scale_row, bias=bias,
-                         out_dtype=x.dtype, use_fast_accum=False)
+                         out_dtype=x.dtype, use_fast_accum=fast_accum)
     return y.view(*x.shape[:-1], n)
 
 
@@ -163,9 +166,10 @@ def _gpu_unsupported(call: LinearCall) -> str | None:
 
 def _gpu_run(call: LinearCall) -> torch.Tensor:
     """The ``"scaled_mm"`` path: the Triton activation quantizer, then :func:`scaled_mm_rowwise`."""
-    buffers = call.layer._buffers
+    layer = call.layer
+    buffers = layer._buffers
     return scaled_mm_rowwise(call.x, _activation_quantizer(), buffers["weight_fp8"],
-                             buffers["weight_scale"].view(1, -1), buffers["bias"])
+                             buffers["weight_scale"].view(1, -1), buffers["bias"], layer.fast_accum)
 
 
 def _reference(call: LinearCall) -> torch.Tensor:
@@ -195,6 +199,9 @@ class FP8Linear(nn.Module):
 
     Shapes: ``x (..., K)`` → ``y (..., N)`` in ``x``'s dtype, ``K = in_features``, ``N = out_features``.
 
+    ``fast_accum``: the GPU path's GEMM accumulates in the tensor cores' own precision
+    (:class:`~quantpatch.config.LinearConfig`; the reference always accumulates in float32).
+
     Memory: ``N·K`` bytes of FP8 weight plus ``4·N`` of scales, half a bf16 weight. ``patch_model``
     keeps each original ``nn.Linear`` in its handle so that ``remove()`` restores it bitwise: while
     patched, the original weights stay in memory too (``2·N·K`` bytes in bf16; for Llama-3-8B's 32
@@ -211,6 +218,7 @@ class FP8Linear(nn.Module):
         # handle restores it where the model then is; under policy "speed" (speed_policy) short calls run it
         self.original: tuple[nn.Linear, ...] = ()
         self.speed_policy = False
+        self.fast_accum = False
         self.register_buffer("weight_fp8", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn,
                                                        device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
@@ -258,4 +266,5 @@ class FP8Linear(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+                + (", fast_accum=True" if self.fast_accum else ""))

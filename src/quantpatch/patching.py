@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from quantpatch.config import AttentionConfig, ModeConfig
+from quantpatch.config import AttentionConfig, LinearConfig, ModeConfig
 from quantpatch.dispatch import check_policy, preload_kernels
 from quantpatch.fallback import SiteRecord, logger
 from quantpatch.modes import get_mode
@@ -127,7 +127,7 @@ def patch_model(
     exclude: list[str] | None = None,
     overrides: dict[str, dict[str, Any]] | None = None,
     policy: str = "speed",
-    linear: str | None = None,
+    linear: str | LinearConfig | None = None,
     linear_include: list[str] | None = None,
     linear_exclude: list[str] | None = None,
 ) -> PatchHandle:
@@ -154,6 +154,8 @@ def patch_model(
             mode's ``linear`` part (``get_mode(mode, linear=...)``); ``None`` keeps the mode's. Layers whose
             in/out features are not multiples of 16 keep their ``nn.Linear`` (reported; an error under
             ``strict``). While patched the handle holds the original linears (their weights stay in memory).
+            A :class:`~quantpatch.config.LinearConfig` sets the options too, e.g.
+            ``LinearConfig(kind="fp8", fast_accum=True)`` (the GEMMs' faster accumulation).
         linear_include / linear_exclude: substrings of a linear's name selecting which block linears become
             FP8 (default: the mode's ``linear.include``, else all); independent of ``include`` / ``exclude``.
             ``linear_exclude=None`` also keeps cross-attention projections (Wan's ``attn2``) bf16: most of the
@@ -171,7 +173,7 @@ def patch_model(
     include, exclude = name_filter("include", include), name_filter("exclude", exclude)
     linear_include = name_filter("linear_include", linear_include)
     linear_exclude = name_filter("linear_exclude", linear_exclude)
-    if linear == "w4a8_fp8":
+    if getattr(linear, "kind", linear) == "w4a8_fp8":
         raise ValueError("patch_model swaps in linear='fp8' (or 'none'); W4A8 linears are made by quantpatch.convert "
                          "and loaded from its checkpoints")
     config = get_mode(mode, linear=linear)
@@ -204,7 +206,8 @@ def patch_model(
             from quantpatch.patches.linears import patch_linears
 
             patch_linears(model, handle, strict=strict, exclude=linear_exclude,
-                          include=linear_include if linear_include is not None else list(config.linear.include))
+                          include=linear_include if linear_include is not None else list(config.linear.include),
+                          fast_accum=config.linear.fast_accum)
         handle.setattr(model, PATCHED_MARK, handle)
     except BaseException:
         handle.remove()
