@@ -1,4 +1,5 @@
-"""Diffusers patcher: wrap the transformer's own attention processors.
+"""Diffusers patcher: wrap the transformer's own attention processors, and fuse Wan's blocks' adaptive layer norms
+(:mod:`.adaln`).
 
 Only the transformer (denoiser) is patched, never the VAE or text encoders; a pipeline is
 accepted and its ``transformer`` component found.
@@ -12,6 +13,7 @@ import torch
 
 from quantpatch.config import ModeConfig
 from quantpatch.patches import note_untested, selected
+from quantpatch.patches.diffusers.adaln import fuse_blocks
 from quantpatch.patches.diffusers.families import FAMILIES
 from quantpatch.patches.diffusers.processors import wrap_processor
 from quantpatch.patching import PATCHED_MARK, PatchHandle
@@ -48,7 +50,8 @@ def patch_diffusers_model(
     include: list[str] | None,
     exclude: list[str] | None,
 ) -> None:
-    """Wrap every attention processor of the transformer, recording the originals in ``handle``."""
+    """Wrap every attention processor of the transformer and fuse its blocks' adaptive layer norms where they are
+    Wan's (:func:`~quantpatch.patches.diffusers.adaln.fuse_blocks`), recording the originals in ``handle``."""
     transformer = find_transformer(model)
     # patch_model marks only the object it was given: a pipeline and its transformer must see each other's mark
     if getattr(transformer, PATCHED_MARK, None) is not None:
@@ -79,5 +82,9 @@ def patch_diffusers_model(
     else:
         for site, module in owners.items():
             handle.setattr(module, "processor", replacements[site])
+    fused = fuse_blocks(transformer, handle)
+    if fused:
+        handle.remarks.append(f"{fused} blocks run their adaptive layer norms and gated residuals fused (one launch "
+                              "each on CUDA)")
     if transformer is not model:
         handle.setattr(transformer, PATCHED_MARK, handle)
