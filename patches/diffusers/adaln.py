@@ -7,7 +7,8 @@ twenty elementwise kernels a block over float32 intermediates, about 9 GB of mem
 that code (:func:`fusable`, whitespace aside), :func:`fuse_blocks` gives each of its blocks a forward that runs the
 same code with each modulated norm and gated residual as one launch of
 :mod:`~quantpatch.kernels.adaln.adaln_triton` (1.5 GB a block) on plain CUDA tensors in eager mode, and the block's
-own forward otherwise (CPU, ``torch.compile``, tensors the kernels do not take). The gated residuals are bit for bit
+own forward otherwise (CPU, ``torch.compile``, tensors the kernels do not take, a gradient to record: the kernels
+have no backward). The gated residuals are bit for bit
 the block's; the norms' mean and variance are summed in another order than PyTorch's layer norm, so an element of a
 norm's bfloat16 output may differ from the block's by one unit in its last place, on about one element in ten
 thousand (:mod:`~quantpatch.kernels.adaln.adaln_triton`).
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from quantpatch.patches import plain_cuda_eager, source_holds
+from quantpatch.patches import plain_cuda_eager, records_grad, source_holds
 
 # What the block's forward must say, whitespace removed: the modulation table chunked as Wan2.1 (a row a sample) and
 # Wan2.2 TI2V (a row a token) chunk it, and the block's three steps as fuse_blocks' forward computes them.
@@ -99,7 +100,7 @@ def _fused_forward(block: torch.nn.Module):
         return (h.float() + branch.float() * gate).type_as(h)
 
     def forward(hidden_states, encoder_hidden_states, temb, rotary_emb):
-        if not plain_cuda_eager(hidden_states, temb):  # (the table is a Parameter: the chunks below are tensors)
+        if not plain_cuda_eager(hidden_states, temb) or records_grad(*block.parameters()):
             return own(hidden_states, encoder_hidden_states, temb, rotary_emb)
         if temb.ndim == 4:  # a modulation row a token (Wan2.2 TI2V)
             rows = [r.squeeze(2) for r in (block.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)]

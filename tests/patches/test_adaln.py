@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import quantpatch as qp
+from quantpatch.patches import records_grad
 from quantpatch.patches.diffusers import adaln
 from quantpatch.testing.diffusers_tiny import tiny_transformer
 from tests.gpu import needs_cuda
@@ -39,7 +40,8 @@ def _record_kernels(monkeypatch) -> list:
 def kernel_route(monkeypatch):
     """The fused forward's kernel route on the CPU (the Triton interpreter): ``plain_cuda_eager`` as on CUDA (plain
     tensors, no subclass); yields the kernels' calls by name."""
-    monkeypatch.setattr(adaln, "plain_cuda_eager", lambda *tensors: all(type(t) is torch.Tensor for t in tensors))
+    monkeypatch.setattr(adaln, "plain_cuda_eager",
+                        lambda *tensors: all(type(t) is torch.Tensor for t in tensors) and not records_grad(*tensors))
     return _record_kernels(monkeypatch)
 
 
@@ -98,6 +100,31 @@ def test_a_block_through_the_kernels_follows_its_own_forward(dtype, per_token, k
         assert (fused - own).abs().max() <= 1e-5 * own.abs().max()
     else:
         assert qp.metrics.cos_sim(fused.float(), own.float()) >= 0.9999
+
+
+def test_records_grad_needs_grad_mode_and_a_tensor_requiring_one():
+    """The gate every one-launch kernel of the patches passes (``plain_cuda_eager``): none has a backward."""
+    x, y = torch.zeros(2, requires_grad=True), torch.zeros(2)
+    assert records_grad(x, y) and not records_grad(y)
+    with torch.no_grad():
+        assert not records_grad(x)
+
+
+def test_a_gradient_to_record_takes_the_blocks_own_forward(kernel_route):
+    """The kernels have no backward: with grad mode on and the block's parameters (or its input) requiring a
+    gradient, the block's own forward runs and gradients reach its parameters; frozen, the kernels run."""
+    model, _ = tiny_transformer("WanTransformer3DModel")
+    block = model.blocks[0]
+    c = block.scale_shift_table.shape[-1]
+    gen = torch.Generator().manual_seed(5)
+    h, text, temb = (torch.randn(*shape, generator=gen) for shape in ((1, 9, c), (1, 7, c), (1, 6, c)))
+    fused = adaln._fused_forward(block)
+    fused(h, text, temb, None).sum().backward()
+    assert kernel_route == [] and block.scale_shift_table.grad is not None
+    block.requires_grad_(False)
+    assert fused(h, text, temb, None).grad_fn is None and len(kernel_route) == 5
+    kernel_route.clear()
+    assert fused(h.requires_grad_(), text, temb, None).grad_fn is not None and kernel_route == []
 
 
 def test_a_block_with_a_forward_of_its_own_keeps_it(no_leaks):
