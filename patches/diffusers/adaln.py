@@ -4,7 +4,7 @@
 its feed-forward, adds their gated outputs back in float32 and normalizes again before its cross-attention: about
 twenty elementwise kernels a block over float32 intermediates, about 9 GB of memory traffic a block at Wan2.1-1.3B's
 480p (32,760 tokens of 1,536 channels), a fifth of a step's GPU time. Where a block class's ``forward`` is exactly
-that code (:func:`fusable`, whitespace aside), :func:`fuse_blocks` gives each of its blocks a forward that runs the
+that code (:func:`fusable`: the same syntax tree), :func:`fuse_blocks` gives each of its blocks a forward that runs the
 same code with each modulated norm and gated residual as one launch of
 :mod:`~quantpatch.kernels.adaln.adaln_triton` (1.5 GB a block) on plain CUDA tensors in eager mode, and the block's
 own forward otherwise (CPU, ``torch.compile``, tensors the kernels do not take, a gradient to record: the kernels
@@ -18,39 +18,80 @@ A block whose ``forward`` is already an attribute of its own (a Diffusers hook, 
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
 from typing import Any
 
 import torch
 
-from quantpatch.patches import plain_cuda_eager, records_grad, source_holds
+from quantpatch.patches import plain_cuda_eager, records_grad
 
-# What the block's forward must say, whitespace removed: the modulation table chunked as Wan2.1 (a row a sample) and
-# Wan2.2 TI2V (a row a token) chunk it, and the block's three steps as fuse_blocks' forward computes them.
-_FORWARD = (
-    "shift_msa,scale_msa,gate_msa,c_shift_msa,c_scale_msa,c_gate_msa=(self.scale_shift_table.unsqueeze(0)"
-    "+temb.float()).chunk(6,dim=2)",
-    "shift_msa,scale_msa,gate_msa,c_shift_msa,c_scale_msa,c_gate_msa=(self.scale_shift_table+temb.float())"
-    ".chunk(6,dim=1)",
-    "norm_hidden_states=(self.norm1(hidden_states.float())*(1+scale_msa)+shift_msa).type_as(hidden_states)",
-    "attn_output=self.attn1(norm_hidden_states,None,None,rotary_emb)",
-    "hidden_states=(hidden_states.float()+attn_output*gate_msa).type_as(hidden_states)",
-    "norm_hidden_states=self.norm2(hidden_states.float()).type_as(hidden_states)",
-    "attn_output=self.attn2(norm_hidden_states,encoder_hidden_states,None,None)",
-    "hidden_states=hidden_states+attn_output",
-    "norm_hidden_states=(self.norm3(hidden_states.float())*(1+c_scale_msa)+c_shift_msa).type_as(hidden_states)",
-    "ff_output=self.ffn(norm_hidden_states)",
-    "hidden_states=(hidden_states.float()+ff_output.float()*c_gate_msa).type_as(hidden_states)",
-    "returnhidden_states",
-)
+# The block code fuse_blocks' forward computes: Diffusers 0.42's WanTransformerBlock.forward, its modulation table
+# chunked as Wan2.1 (a row a sample) and Wan2.2 TI2V (a row a token) chunk it. A class forward whose parameters and
+# statements (comments, annotations and layout aside: their syntax trees) are not exactly these keeps its own.
+_WAN_BLOCK_FORWARD = """
+def forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
+    if temb.ndim == 4:
+        shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = (
+            self.scale_shift_table.unsqueeze(0) + temb.float()
+        ).chunk(6, dim=2)
+        shift_msa = shift_msa.squeeze(2)
+        scale_msa = scale_msa.squeeze(2)
+        gate_msa = gate_msa.squeeze(2)
+        c_shift_msa = c_shift_msa.squeeze(2)
+        c_scale_msa = c_scale_msa.squeeze(2)
+        c_gate_msa = c_gate_msa.squeeze(2)
+    else:
+        shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = (
+            self.scale_shift_table + temb.float()
+        ).chunk(6, dim=1)
+    norm_hidden_states = (self.norm1(hidden_states.float()) * (1 + scale_msa) + shift_msa).type_as(hidden_states)
+    attn_output = self.attn1(norm_hidden_states, None, None, rotary_emb)
+    hidden_states = (hidden_states.float() + attn_output * gate_msa).type_as(hidden_states)
+    norm_hidden_states = self.norm2(hidden_states.float()).type_as(hidden_states)
+    attn_output = self.attn2(norm_hidden_states, encoder_hidden_states, None, None)
+    hidden_states = hidden_states + attn_output
+    norm_hidden_states = (self.norm3(hidden_states.float()) * (1 + c_scale_msa) + c_shift_msa).type_as(hidden_states)
+    ff_output = self.ffn(norm_hidden_states)
+    hidden_states = (hidden_states.float() + ff_output.float() * c_gate_msa).type_as(hidden_states)
+    return hidden_states
+"""
+
+
+@functools.cache
+def _is_wan_block_class(cls: type) -> bool:
+    return code_of(cls.forward) == _code(_WAN_BLOCK_FORWARD)
+
+
+def code_of(function: Any) -> tuple | None:
+    """``function``'s parameter names and the syntax tree of its body (no comments, annotations, docstring position
+    or layout), or None where it has no source."""
+    try:
+        source = textwrap.dedent(inspect.getsource(function))
+    except (OSError, TypeError):
+        return None
+    return _code(source)
+
+
+def _code(source: str) -> tuple | None:
+    tree = ast.parse(source).body
+    if len(tree) != 1 or not isinstance(tree[0], ast.FunctionDef):
+        return None
+    fn = tree[0]
+    return [a.arg for a in fn.args.args], ast.dump(ast.Module(body=fn.body, type_ignores=[]))
+
+
 _NORM_CLASSES = ("FP32LayerNorm",)  # Diffusers' float32 layer norm: F.layer_norm(x.float(), ...).to(x.dtype)
 
 
 def fusable(block: Any) -> bool:
-    """Whether ``block``'s class forward is Wan2.1's block code (:data:`_FORWARD`) and its norms are float32 layer norms
-    over the channels (``norm2`` may be ``nn.Identity``)."""
-    if not source_holds(type(block).forward, _FORWARD):
-        return False
+    """Whether ``block``'s class forward is Wan2.1's block code (:data:`_WAN_BLOCK_FORWARD`, :func:`code_of`) and its
+    norms are float32 layer norms over the channels (``norm2`` may be ``nn.Identity``)."""
     norms = [getattr(block, name, None) for name in ("norm1", "norm2", "norm3")]
+    if any(n is None for n in norms) or not _is_wan_block_class(type(block)):
+        return False
     if not all(_norm_taken(n) for n in norms):
         return False
     table = getattr(block, "scale_shift_table", None)

@@ -55,6 +55,26 @@ def test_wan_blocks_are_recognized_and_others_are_not():
     assert not adaln.fusable(block)
 
 
+def test_a_block_class_whose_forward_differs_by_one_statement_is_not_fused():
+    """The whole forward is compared (its syntax tree): an added statement (another Diffusers version) keeps the
+    block's own forward; comments and annotations do not matter."""
+    import inspect
+    import textwrap
+
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+    source = textwrap.dedent(inspect.getsource(WanTransformerBlock.forward))
+    same = source.replace("# 1. Self-attention", "# self-attention, reworded").replace(": torch.Tensor,", ",")
+    doubled = "    hidden_states = hidden_states * 2\n"
+    extra = source.replace("    return hidden_states", doubled + "    return hidden_states")
+    assert adaln._code(same) == adaln.code_of(WanTransformerBlock.forward)
+    assert extra != source and adaln._code(extra) != adaln.code_of(WanTransformerBlock.forward)
+    namespace = {"torch": torch}
+    exec(compile(extra, "<a later block>", "exec"), namespace)  # noqa: S102  (a class of that source, for getsource)
+    later = type("LaterWanBlock", (WanTransformerBlock,), {"forward": namespace["forward"]})
+    assert adaln.code_of(later.forward) is None  # compiled from a string: no source file, never fused
+
+
 @pytest.mark.parametrize("mode", ["off", "sage2-8b"])
 def test_off_cuda_the_fused_forward_is_the_blocks_own_and_remove_restores_them(mode, no_leaks):
     model, call = tiny_transformer("WanTransformer3DModel")
