@@ -45,18 +45,13 @@ def source_holds(function: Any, lines: tuple[str, ...] | list[str]) -> bool:
     return all(line in source for line in lines)
 
 
-def records_grad(*tensors: Any) -> bool:
-    """Whether autograd would record an op on ``tensors``: grad mode on and one of them requiring a gradient. The
-    one-launch kernels have no backward, so such calls take the model's own ops."""
-    import torch
-
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def plain_cuda_eager(*tensors: Any) -> bool:
     """Whether ``tensors`` are plain CUDA tensors (no subclass such as a DTensor) outside a ``torch.compile``
-    trace, with no gradient to record (:func:`records_grad`): what the one-launch kernels are handed."""
+    trace, with no gradient to record (:func:`~quantpatch.dispatch.records_grad`): what the one-launch kernels are
+    handed."""
     import torch
+
+    from quantpatch.dispatch import records_grad
 
     return (all(type(t) is torch.Tensor for t in tensors) and tensors[0].is_cuda
             and not torch.compiler.is_compiling() and not records_grad(*tensors))

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from quantpatch.patches import plain_cuda_eager, records_grad
+from quantpatch.dispatch import records_grad
+from quantpatch.patches import plain_cuda_eager
 
 # The block code fuse_blocks' forward computes: Diffusers 0.42's WanTransformerBlock.forward, its modulation table
 # chunked as Wan2.1 (a row a sample) and Wan2.2 TI2V (a row a token) chunk it. A class forward whose parameters and

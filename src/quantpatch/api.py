@@ -11,6 +11,7 @@ from quantpatch.dispatch import (
     check_policy,
     plan_attention,
     planned_attention,
+    records_grad,
     run_on_device,
     select,
     speed_route,
@@ -97,6 +98,8 @@ def _planned_call(q, k, v, mode, is_causal, scale, layout, policy) -> tuple[tupl
     if not (type(q) is type(k) is type(v) is torch.Tensor and q.dim() == k.dim() == v.dim() == 4
             and layout in LAYOUTS and isinstance(mode, _PLANNED_MODES)
             and (scale is None or type(scale) in (float, int)) and not torch.compiler.is_compiling()):
+        return None, None
+    if records_grad(q, k, v):  # a plan runs kernels, which have no backward: the whole path routes the call
         return None, None
     if layout == "BSHD":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))

@@ -44,9 +44,11 @@ OPS: dict[str, tuple[str, ...]] = {
 
 
 class OpCall:
-    """What every call shares: ``is_cuda`` and ``device`` are those of its tensor field named ``LEAD``."""
+    """What every call shares: ``is_cuda`` and ``device`` are those of its tensor field named ``LEAD``; ``GRAD_INPUTS``
+    names the tensor fields a gradient may flow back to (:func:`records_grad`)."""
 
     LEAD: ClassVar[str]
+    GRAD_INPUTS: ClassVar[tuple[str, ...]] = ()
 
     @property
     def is_cuda(self) -> bool:
@@ -62,6 +64,7 @@ class AttentionCall(OpCall):
     """A validated call in ``(B, H, S, D)`` layout."""
 
     LEAD: ClassVar[str] = "q"
+    GRAD_INPUTS: ClassVar[tuple[str, ...]] = ("q", "k", "v")
 
     q: torch.Tensor
     k: torch.Tensor
@@ -78,6 +81,7 @@ class LinearCall(OpCall):
     """``x (..., K)`` through a quantized linear ``layer`` (ops ``w4a8_linear``, ``fp8_linear``)."""
 
     LEAD: ClassVar[str] = "x"
+    GRAD_INPUTS: ClassVar[tuple[str, ...]] = ("x",)
     x: torch.Tensor
     layer: torch.nn.Module
 
@@ -196,14 +200,25 @@ def preload_kernels() -> None:
             load_kernels(module)
 
 
+def records_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd would record an op on ``tensors``: grad mode on and one of them requiring a gradient. No
+    kernel of quantpatch has a backward: such a call takes the op's PyTorch reference (or, routed by speed, SDPA),
+    never a kernel whose output would silently carry no gradient."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _choose(op: str, key: str, call: Any) -> tuple[Implementation | None, list[tuple[str, str]]]:
-    """The highest-priority implementation that accepts ``call``, and ``(name, reason)`` of those that declined."""
+    """The highest-priority implementation that accepts ``call``, and ``(name, reason)`` of those that declined; only
+    the reference takes a call with a gradient to record (:func:`records_grad`)."""
     module = KERNEL_MODULES.get(op)
     if module is not None and call.is_cuda:
         load_kernels(module)
+    grad = records_grad(*(getattr(call, name) for name in getattr(call, "GRAD_INPUTS", ())))
     declined = []
     for impl in _REGISTRY[op][key]:
         reason = impl.unsupported(call)
+        if reason is None and grad and impl.name != REFERENCE:
+            reason = "a gradient to record (the kernel has no backward)"
         if reason is None:
             return impl, declined
         declined.append((impl.name, reason))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import quantpatch as qp
-from quantpatch.patches import records_grad
+from quantpatch.dispatch import records_grad
 from quantpatch.patches.diffusers import adaln
 from quantpatch.testing.diffusers_tiny import tiny_transformer
 from tests.gpu import needs_cuda

@@ -261,3 +261,47 @@ def test_a_planned_attention_call_runs_its_plan_from_the_second_call_of_a_signat
     dispatch.forget_crossovers()
     call()
     assert events == ["run", "plan", "run"]
+
+
+def test_a_call_with_a_gradient_to_record_takes_the_reference_not_a_kernel(registry, monkeypatch):
+    """No kernel has a backward: with grad mode on and an input requiring a gradient, ``quantpatch.attention``
+    declines every implementation but the reference (which autograd records) and neither makes nor runs a plan; under
+    ``no_grad`` the kernel runs and its plan follows. The linear ops decline their kernels the same way."""
+    import quantpatch as qp
+    from quantpatch import range_check
+
+    monkeypatch.setattr(dispatch, "_PLANNED", {})
+    monkeypatch.setattr(range_check, "_checked_configs", {})
+    events = []
+
+    def run(call):
+        events.append("kernel")
+        return torch.zeros_like(call.q)
+
+    def plan(call):
+        return lambda q, k, v: (events.append("plan"), (torch.ones_like(q), None))[1]
+
+    dispatch.register("attention", "sage2", Implementation("stub", 100, lambda call: None, run, plan))
+    q, k, v = (torch.randn(1, 2, 16, 64) for _ in range(3))
+    q.requires_grad_()
+    for _ in range(2):
+        out = qp.attention(q, k, v, mode="sage2-8b")
+    assert events == [] and out.grad_fn is not None
+    out.float().sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
+    with torch.no_grad():
+        qp.attention(q, k, v, mode="sage2-8b")
+        qp.attention(q, k, v, mode="sage2-8b")
+    assert events == ["kernel", "plan"]
+    qp.attention(q, k, v, mode="sage2-8b")
+    assert events == ["kernel", "plan"]  # a gradient again: the kept plan is not run
+    layer = FP8Linear.from_linear(torch.nn.Linear(32, 16))
+    dispatch.register("fp8_linear", "fp8", Implementation("stub", 100, lambda call: None,
+                                                          lambda call: events.append("linear kernel")))
+    x = torch.randn(4, 32, requires_grad=True)
+    with pytest.warns(QuantpatchFallbackWarning, match="a gradient to record"):
+        y = layer(x)
+    assert y.grad_fn is not None and "linear kernel" not in events
+    with torch.no_grad():
+        layer(x)
+    assert events[-1] == "linear kernel"
