@@ -10,8 +10,8 @@ same code with each modulated norm and gated residual as one launch of
 own forward otherwise (CPU, ``torch.compile``, tensors the kernels do not take, a gradient to record: the kernels
 have no backward). The gated residuals are bit for bit
 the block's; the norms' mean and variance are summed in another order than PyTorch's layer norm, so an element of a
-norm's bfloat16 output may differ from the block's by one unit in its last place, on about one element in ten
-thousand (:mod:`~quantpatch.kernels.adaln.adaln_triton`).
+norm's bfloat16 output may differ from the block's by one unit in its last place (at most one element in a
+thousand in the GPU test at Wan2.1-1.3B's width; :mod:`~quantpatch.kernels.adaln.adaln_triton`).
 
 A block whose ``forward`` is already an attribute of its own (a Diffusers hook, another patch) keeps it.
 """
