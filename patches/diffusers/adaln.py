@@ -142,7 +142,8 @@ def _fused_forward(block: torch.nn.Module):
         return (h.float() + branch.float() * gate).type_as(h)
 
     def forward(hidden_states, encoder_hidden_states, temb, rotary_emb):
-        if not plain_cuda_eager(hidden_states, temb) or records_grad(*block.parameters()):
+        if not plain_cuda_eager(hidden_states, temb) or (torch.is_grad_enabled()
+                                                          and records_grad(*block.parameters())):
             return own(hidden_states, encoder_hidden_states, temb, rotary_emb)
         if temb.ndim == 4:  # a modulation row a token (Wan2.2 TI2V)
             rows = [r.squeeze(2) for r in (block.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)]
