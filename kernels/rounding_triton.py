@@ -21,16 +21,19 @@ def _rne(x):
 def _to_fp8e4m3(x, EMULATE: tl.constexpr):
     """Saturating round-to-nearest-even cast to float8 e4m3fn.
 
-    On the GPU this is one ``cvt.rn.satfinite``; the interpreter's own cast rounds ties up and
+    On the GPU this is one ``cvt.rn.satfinite`` (NaN stays NaN); the interpreter's own cast rounds ties up and
     mishandles subnormals, so there the value is first rounded onto the E4M3 grid exactly.
     """
     if EMULATE:
-        ax = tl.minimum(tl.abs(x), 448.0)
+        nan = x != x
+        ax = tl.minimum(tl.abs(tl.where(nan, 0.0, x)), 448.0)
         e = tl.maximum(((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # binade (subnormals: -6)
         quantum = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2**(e - 3): 3 mantissa bits
         r = tl.minimum(_rne(ax / quantum) * quantum, 448.0)
-        x = tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit: -0 stays -0
-    # on the GPU the cast itself is cvt.rn.satfinite: it saturates, no clamp needed
+        q = tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r).to(tl.float8e4nv)  # the sign bit: -0 stays -0
+        # the interpreter's cast has no NaN: e4m3fn's is the byte 0x7F
+        return tl.where(nan, tl.full(x.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True), q)
+    # on the GPU the cast itself is cvt.rn.satfinite: it saturates, no clamp needed, and keeps NaN
     return x.to(tl.float8e4nv)
 
 

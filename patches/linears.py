@@ -27,10 +27,20 @@ would not run.
 
 Each swap is an entry of the parent's ``_modules`` recorded in the handle, so ``remove()`` puts the original
 ``nn.Linear`` back (its weights are kept in memory while patched: :class:`~quantpatch.fp8_linear.FP8Linear`).
+
+A Diffusers ``FeedForward`` whose two linears both became FP8 (``net = [GELU(proj), Dropout(0), Linear, ...]``, Wan's,
+Flux's, CogVideoX's, HunyuanVideo's) gets its GELU moved into the second layer's activation quantization
+(:func:`fuse_feed_forward_gelus`): ``net[0]``'s ``gelu`` step becomes the identity (an instance attribute), so it
+returns its ``proj`` output, the pre-activation, and ``net[2]`` applies the GELU as it quantizes its input
+(``FP8Linear.activation``): one pass over the largest activation of the block where there were three (the GELU's
+read and write, the quantization's read). Same numerics as the two steps
+(:mod:`~quantpatch.kernels.fp8_linear.fp8_quant_triton`); module names and the state dict do not change.
+``remove()`` deletes the attribute again.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +51,7 @@ from quantpatch.patches import _class_names, selected
 from quantpatch.patching import PatchHandle
 
 NORM_MARK = "Norm"  # class names of normalization modules: their linears (adaLN modulation) stay
+GELU_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_tanh"}  # Diffusers GELU.approximate → FP8Linear.activation
 
 
 def transformer_root(model: Any) -> nn.Module:
@@ -144,3 +155,55 @@ def patch_linears(model: Any, handle: PatchHandle, *, strict: bool, include: lis
         message = f"linear='fp8': no nn.Linear of {type(root).__name__}'s transformer blocks was swapped"
         handle.remarks.append(message)
         logger.warning(message)
+        return
+    fused = fuse_feed_forward_gelus(root, handle)
+    if fused:
+        handle.remarks.append(f"the GELU of {fused} feed-forwards runs in their second FP8 linear's activation "
+                              "quantization")
+
+
+def _diffusers_class(module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s class is Diffusers' class ``name`` itself (not a subclass, which may change forward)."""
+    cls = type(module)
+    return cls.__name__ == name and cls.__module__.startswith("diffusers.")
+
+
+def _plain(module: nn.Module) -> bool:
+    """No hooks and no instance ``forward`` or ``gelu`` on ``module``: its class's methods are what a call runs."""
+    return not (module._forward_hooks or module._forward_pre_hooks or {"forward", "gelu"} & vars(module).keys())
+
+
+def _pre_activation(x):
+    """The identity: a fused feed-forward's ``GELU.gelu`` (the next layer applies it)."""
+    return x
+
+
+def gelu_fusable(ff: nn.Module, users: Counter) -> bool:
+    """Whether Diffusers ``FeedForward`` ``ff`` computes ``net[2](net[0].gelu(net[0].proj(x)))`` (Diffusers' own
+    ``GELU`` and a dropout of 0) with both linears FP8 layers used nowhere else (``users``: how often each module
+    object occurs in the model), so that the GELU can move into ``net[2]``."""
+    from quantpatch.fp8_linear import FP8Linear
+
+    net = getattr(ff, "net", None)
+    if not (_diffusers_class(ff, "FeedForward") and _plain(ff) and isinstance(net, nn.ModuleList) and len(net) >= 3):
+        return False
+    gelu, dropout, second = net[0], net[1], net[2]
+    first = getattr(gelu, "proj", None)
+    return (_diffusers_class(gelu, "GELU") and getattr(gelu, "approximate", None) in GELU_ACTIVATIONS
+            and (type(dropout) is nn.Identity or (type(dropout) is nn.Dropout and dropout.p == 0))
+            and all(type(m) is FP8Linear and m.activation is None and users[id(m)] == 1 for m in (first, second))
+            and all(_plain(m) for m in (gelu, dropout, first, second)))
+
+
+def fuse_feed_forward_gelus(root: nn.Module, handle: PatchHandle) -> int:
+    """Move the GELU of each :func:`gelu_fusable` feed-forward of ``root`` into its second FP8 layer (module
+    docstring), recorded in ``handle``; returns how many were fused."""
+    users = Counter(id(m) for _, m in root.named_modules(remove_duplicate=False))
+    fused = 0
+    for ff in root.modules():
+        if gelu_fusable(ff, users):
+            gelu, second = ff.net[0], ff.net[2]
+            handle.setattr(second, "activation", GELU_ACTIVATIONS[gelu.approximate])
+            handle.setattr(gelu, "gelu", _pre_activation)
+            fused += 1
+    return fused

@@ -8,6 +8,11 @@ Weights are quantized once per output channel, activations per token, by the sam
 
     y = (q_x · q_wᵀ) ⊙ s_x ⊙ s_wᵀ (+ bias)   in float32, then cast to the input's dtype
 
+A layer may take its input before an activation (``activation``, one of :data:`ACTIVATIONS`): ``x`` is then first
+replaced by ``F.gelu(x, approximate=...)`` in ``x``'s dtype, exactly the feed-forward's own GELU, whose output
+the unfused layer would have quantized (:mod:`quantpatch.patches.linears` fuses the GELU of Diffusers'
+feed-forwards into their second linear this way).
+
 Each product of two e4m3 values has at most 8 significant bits, so it is exact in float32; the
 sums are float32 (a GPU GEMM sums in another order). ``torch._scaled_mm`` with row-wise scales
 (:mod:`quantpatch.fp8_linear`) computes the same expression on sm_89+ GPUs, and
@@ -17,10 +22,18 @@ sums are float32 (a GPU GEMM sums in another order). ``torch._scaled_mm`` with r
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..quant_ref import quantize_fp8
 
 E4M3 = "fp8_e4m3"
+# an activation a layer applies to its input before quantizing it → F.gelu's ``approximate``
+ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}
+
+
+def activate_ref(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """``x`` (``activation`` None) or ``F.gelu(x, approximate=ACTIVATIONS[activation])`` in ``x``'s dtype."""
+    return x if activation is None else F.gelu(x, approximate=ACTIVATIONS[activation])
 
 
 def quantize_rows_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,11 +48,12 @@ def quantize_rows_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_linear_ref(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
     """``x (..., K)`` → ``y (..., N)`` in ``x``'s dtype, for ``weight_fp8 float8_e4m3fn (N, K)``, ``weight_scale
-    float32 (N,)`` (from :func:`quantize_rows_fp8_ref` of the weight) and an optional ``bias (N,)``."""
+    float32 (N,)`` (from :func:`quantize_rows_fp8_ref` of the weight), an optional ``bias (N,)`` and an optional
+    ``activation`` of the input (:func:`activate_ref`)."""
     n, k = weight_fp8.shape
-    x_fp8, x_scale = quantize_rows_fp8_ref(x.reshape(-1, k))
+    x_fp8, x_scale = quantize_rows_fp8_ref(activate_ref(x, activation).reshape(-1, k))
     y = torch.matmul(x_fp8.float(), weight_fp8.float().t()) * x_scale * weight_scale
     if bias is not None:
         y = y + bias.float()

@@ -40,7 +40,7 @@ from torch import nn
 from quantpatch.dispatch import REFERENCE, Implementation, LinearCall, Quiet, check_in_features, register, run_op
 from quantpatch.fallback import ORIGINAL_LINEAR_ROUTE, SiteRecord
 from quantpatch.kernels.device import cuda_unsupported
-from quantpatch.kernels.fp8_linear.fp8_linear_ref import fp8_linear_ref, quantize_rows_fp8_ref
+from quantpatch.kernels.fp8_linear.fp8_linear_ref import activate_ref, fp8_linear_ref, quantize_rows_fp8_ref
 
 # torch._scaled_mm takes K and N multiples of 16 (cuBLASLt / CUTLASS FP8 alignment).
 SCALED_MM_MULTIPLE = 16
@@ -106,7 +106,7 @@ def scaled_mm_unsupported(device: torch.device, dtype: torch.dtype, bias: bool) 
     return _REASONS[key]
 
 
-def _activation_quantizer() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def _activation_quantizer() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """:func:`~quantpatch.kernels.fp8_linear.fp8_quant_triton.quantize_activations_fp8`, its module imported on first
     use."""
     if not _QUANTIZER:
@@ -118,7 +118,8 @@ def _activation_quantizer() -> Callable[[torch.Tensor], tuple[torch.Tensor, torc
 
 def scaled_mm_rowwise(x: torch.Tensor, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                       weight_fp8: torch.Tensor, weight_scale_row: torch.Tensor,
-                      bias: torch.Tensor | None, fast_accum: bool = False) -> torch.Tensor:
+                      bias: torch.Tensor | None, fast_accum: bool = False,
+                      activation: str | None = None) -> torch.Tensor:
     """``y = (x̂ · W_fp8ᵀ) ⊙ s_x ⊙ s_w + b`` with row-wise scales in one ``torch._scaled_mm``, FP8 MMA partials
     promoted to float32 (``use_fast_accum=False``; ``fast_accum=True``: accumulated in the tensor cores' own
     precision): the FP8 GEMM of the GPU paths of this module and of ``"lut"``
@@ -130,13 +131,15 @@ def scaled_mm_rowwise(x: torch.Tensor, quantize: Callable[[torch.Tensor], tuple[
         weight_fp8: ``float8_e4m3fn (N, K)``.
         weight_scale_row: ``float32 (1, N)``, the per-output-channel scales ``s_w``.
         bias: ``(N,)`` in ``x``'s dtype, or None.
+        activation: passed on as ``quantize(rows, activation)`` where not None (the quantizer applies it first).
 
     Returns:
         ``y (..., N)`` in ``x``'s dtype.
     """
     n, k = weight_fp8.shape
     x2 = x.reshape(-1, k)
-    x_fp8, x_scale = quantize(x2 if x2.stride(-1) == 1 else x2.contiguous())
+    rows = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    x_fp8, x_scale = quantize(rows) if activation is None else quantize(rows, activation)
     y = torch._scaled_mm(x_fp8, weight_fp8.t(), scale_a=x_scale, scale_b=weight_scale_row, bias=bias,
                          out_dtype=x.dtype, use_fast_accum=fast_accum)
     return y.view(*x.shape[:-1], n)
@@ -169,12 +172,12 @@ def _gpu_run(call: LinearCall) -> torch.Tensor:
     layer = call.layer
     buffers = layer._buffers
     return scaled_mm_rowwise(call.x, _activation_quantizer(), buffers["weight_fp8"],
-                             buffers["weight_scale"].view(1, -1), buffers["bias"], layer.fast_accum)
+                             buffers["weight_scale"].view(1, -1), buffers["bias"], layer.fast_accum, layer.activation)
 
 
 def _reference(call: LinearCall) -> torch.Tensor:
     layer = call.layer
-    return fp8_linear_ref(call.x, layer.weight_fp8, layer.weight_scale, layer.bias)
+    return fp8_linear_ref(call.x, layer.weight_fp8, layer.weight_scale, layer.bias, layer.activation)
 
 
 register(OP, KEY, Implementation(ROUTE_GPU, 10, _gpu_unsupported, _gpu_run))
@@ -202,6 +205,10 @@ class FP8Linear(nn.Module):
     ``fast_accum``: the GPU path's GEMM accumulates in the tensor cores' own precision
     (:class:`~quantpatch.config.LinearConfig`; the reference always accumulates in float32).
 
+    ``activation`` (None, ``"gelu"`` or ``"gelu_tanh"``): the layer's input is the pre-activation of a GELU the layer
+    applies first, in the activation quantization kernel on the GPU path (``fp8_linear_ref``; set by
+    :func:`~quantpatch.patches.linears.patch_linears` for Diffusers' feed-forwards).
+
     Memory: ``N·K`` bytes of FP8 weight plus ``4·N`` of scales, half a bf16 weight. ``patch_model``
     keeps each original ``nn.Linear`` in its handle so that ``remove()`` restores it bitwise: while
     patched, the original weights stay in memory too (``2·N·K`` bytes in bf16; for Llama-3-8B's 32
@@ -219,6 +226,7 @@ class FP8Linear(nn.Module):
         self.original: tuple[nn.Linear, ...] = ()
         self.speed_policy = False
         self.fast_accum = False
+        self.activation: str | None = None
         self.register_buffer("weight_fp8", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn,
                                                        device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
@@ -249,7 +257,7 @@ class FP8Linear(nn.Module):
             if why is not None:
                 if self.site is not None:
                     self.site.count(ORIGINAL_LINEAR_ROUTE + why)
-                return self.original[0](x)
+                return self.original[0](activate_ref(x, self.activation))
         return run_op(OP, KEY, LinearCall(x, self), what=self.what, record=self.site)
 
     def _apply(self, fn, recurse=True):
@@ -267,4 +275,5 @@ class FP8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-                + (", fast_accum=True" if self.fast_accum else ""))
+                + (", fast_accum=True" if self.fast_accum else "")
+                + (f", activation={self.activation!r}" if self.activation else ""))

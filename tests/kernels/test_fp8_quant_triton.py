@@ -11,7 +11,12 @@ import torch
 from quantpatch import fp8_linear
 from quantpatch.dispatch import LinearCall
 from quantpatch.fp8_linear import FP8Linear
-from quantpatch.kernels.fp8_linear.fp8_linear_ref import fp8_linear_ref, quantize_rows_fp8_ref
+from quantpatch.kernels.fp8_linear.fp8_linear_ref import (
+    ACTIVATIONS,
+    activate_ref,
+    fp8_linear_ref,
+    quantize_rows_fp8_ref,
+)
 from quantpatch.kernels.fp8_linear.fp8_quant_triton import ROW_BLOCK, fp8_quantize_rows_op, quantize_rows_fp8
 from quantpatch.metrics import rel_l1
 from tests.gpu import DEVICE, needs_cuda
@@ -75,6 +80,65 @@ def test_strided_rows_and_empty_inputs():
     assert q.shape == (0, 32) and s.shape == (0, 1)
 
 
+def _assert_gelu_quantized_as_reference(x: torch.Tensor, activation: str) -> None:
+    """The kernel's GELU + quantization against ``quantize_rows_fp8_ref(activate_ref(x))``: the two GELUs agree but
+    where their float32 values straddle a rounding boundary of ``x``'s dtype (module docstring of the kernel), so
+    all but a few e4m3 values are equal (a GELU that underflows may keep another sign of zero) and each dequantized
+    value is within one e4m3 step of the reference's."""
+    (q, s), (q_ref, s_ref) = quantize_rows_fp8(x, activation), quantize_rows_fp8_ref(activate_ref(x, activation))
+    assert q.shape == q_ref.shape and s.shape == s_ref.shape
+    same = (q.float() == q_ref.float()).float().mean().item()
+    assert same >= 0.999, f"{1 - same:.2%} of the e4m3 values differ"
+    # the absmax's GELU one ulp of x's dtype apart at most (float32: a few ulps, the GPU's exp and division)
+    assert torch.allclose(s, s_ref, rtol=max(2 * torch.finfo(x.dtype).eps, 2**-20), atol=0)
+    deq, deq_ref = q.float() * s, q_ref.float() * s_ref
+    step = 2**-3 * deq_ref.abs() * (1 + 2**-9) + 2**-9 * torch.maximum(s, s_ref)  # a normal / subnormal e4m3 step
+    excess = (deq - deq_ref).abs() - step
+    assert (excess <= 0).all(), f"{(excess > 0).sum().item()} values beyond one e4m3 step, by up to {excess.max()}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+@pytest.mark.parametrize("k", [48, ROW_BLOCK + 20])  # one load with a masked tail; two passes, GELU in each
+def test_gelu_then_quantization_matches_the_two_steps(k, activation, dtype):
+    x = _rows(9, k, dtype, seed=k + len(activation)) / 4  # N(0, 0.75²): the GELU's curved part, and the outlier
+    _assert_gelu_quantized_as_reference(x, activation)
+
+
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_gelu_absmax_of_long_rows_from_the_largest_input_or_every_gelu(activation):
+    """Past its first load a long row's absmax is taken from its largest input (the GELU increases from -0.75 on);
+    a row whose GELUs all stay below 0.1875 takes every GELU again, since a negative input may then hold the
+    absmax: row 0 (top past the first load), row 1 (absmax -0.17 at x = -0.75 past the first load), row 2 (all
+    small but for the first load). Scales and bytes are the reference's."""
+    k = ROW_BLOCK + 20
+    x = torch.full((3, k), 0.01)
+    x[0, ROW_BLOCK + 5], x[0, 7] = 2.5, -3.0
+    x[1, ROW_BLOCK + 3], x[1, ROW_BLOCK + 9], x[1, 2] = -0.75, 0.1, 0.05
+    x[2, 11], x[2, ROW_BLOCK + 1] = 0.15, -0.5
+    x = x.to(torch.bfloat16)
+    got, ref = quantize_rows_fp8(x, activation), quantize_rows_fp8_ref(activate_ref(x, activation))
+    assert ref[1][1, 0] * 448 == -activate_ref(x[1, ROW_BLOCK + 3], activation).float()  # a negative GELU's absmax
+    _assert_same(got, ref)
+
+
+def test_gelu_of_infinities_and_nan_gives_the_references_nan_rows():
+    """GELU(-inf) is NaN and GELU(+inf) inf: a row holding either (or a NaN) comes out of the layer as NaN, as from
+    the reference (whose absmax is NaN; the kernel's max skips NaN, but the NaN itself still reaches the GEMM); the
+    other rows are finite. The GPU path's wiring runs here with the CPU's ``torch._scaled_mm``."""
+    fp8 = FP8Linear.from_linear(torch.nn.Linear(16, 16).to(torch.bfloat16))
+    x = _rows(5, 16, torch.bfloat16, seed=3) / 4
+    x[0, 3], x[3, 0], x[4, 9] = float("inf"), -float("inf"), float("nan")
+    for activation in ACTIVATIONS:
+        fp8.activation = activation
+        y = fp8_linear._gpu_run(LinearCall(x, fp8))
+        ref = fp8_linear_ref(x, fp8.weight_fp8, fp8.weight_scale, fp8.bias, activation)
+        assert torch.equal(y.isnan().any(-1), torch.tensor([True, False, False, True, True]))
+        assert torch.equal(ref.isnan().any(-1), y.isnan().any(-1)) and y[1:3].isfinite().all()
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        quantize_rows_fp8(x, "relu")
+
+
 @pytest.mark.parametrize("bad", [torch.zeros(4, 8, 2), torch.zeros(8, 4).t(), torch.zeros(4, 8, dtype=torch.float64)])
 def test_bad_inputs_raise(bad):
     with pytest.raises((ValueError, TypeError)):
@@ -84,7 +148,9 @@ def test_bad_inputs_raise(bad):
 def test_custom_op_matches_the_launcher_and_has_a_fake():
     x = _rows(5, 32, torch.bfloat16)
     _assert_same(fp8_quantize_rows_op(x), quantize_rows_fp8(x))
+    _assert_same(fp8_quantize_rows_op(x, "gelu_tanh"), quantize_rows_fp8(x, "gelu_tanh"))
     torch.library.opcheck(fp8_quantize_rows_op, (x,), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(fp8_quantize_rows_op, (x, "gelu"), test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -126,3 +192,12 @@ def test_gpu_path_wiring_runs_on_cpu_scaled_mm(dtype):
 def test_gpu_kernel_equals_reference_bit_for_bit(m, k, dtype):
     x = _rows(m, k, dtype, seed=k, device=DEVICE)
     _assert_same(quantize_rows_fp8(x), quantize_rows_fp8_ref(x))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+@pytest.mark.parametrize("m,k", [(4096, 8960), (257, 1536)])  # Wan2.1-1.3B's feed-forward; a short row
+def test_gpu_gelu_then_quantization_matches_the_two_steps(m, k, activation, dtype):
+    _assert_gelu_quantized_as_reference(_rows(m, k, dtype, seed=k, device=DEVICE) / 4, activation)

@@ -413,6 +413,52 @@ def test_wan_block_linears_swapped_and_restored_bitwise():
         assert torch.equal(call(), ref)
 
 
+def test_feed_forward_gelu_moves_into_the_second_fp8_linear(monkeypatch):
+    """Wan's feed-forwards (``net = [GELU(proj, tanh), Dropout(0), Linear]``): ``net[0].gelu`` becomes the identity
+    and ``net[2]`` applies the GELU as it quantizes; names and state-dict keys stay; the output is bitwise the
+    unfused FP8 model's (the reference path applies the same ``F.gelu``); ``remove()`` takes both changes back.
+    Under ``policy="speed"`` the CPU calls each original layer, the GELU before the second: the unpatched bits."""
+    from quantpatch.patches import linears
+
+    model, call = _diffusers("WanTransformer3DModel")
+    ref, keys = call(), set(model.state_dict())
+    with monkeypatch.context() as unfused:
+        unfused.setattr(linears, "fuse_feed_forward_gelus", lambda root, handle: 0)
+        with qp.patch_model(model, "off", linear="fp8", policy="always"):
+            expected = call()
+    with qp.patch_model(model, "off", linear="fp8", policy="always") as handle:
+        for i in range(2):
+            ff = model.blocks[i].ffn
+            assert ff.net[0].gelu is linears._pre_activation and isinstance(ff.net[0].proj, FP8Linear)
+            assert ff.net[2].activation == "gelu_tanh" and ff.net[0].proj.activation is None
+        assert "the GELU of 2 feed-forwards runs in their second FP8 linear's activation" in handle.report()
+        assert {k.removesuffix("_fp8") for k in model.state_dict() if "weight_scale" not in k} == keys
+        assert torch.equal(call(), expected) and not torch.equal(expected, ref)
+    assert all("gelu" not in vars(model.blocks[i].ffn.net[0]) for i in range(2))
+    assert torch.equal(call(), ref)
+    with qp.patch_model(model, "off", linear="fp8") as handle:
+        assert model.blocks[0].ffn.net[2].activation == "gelu_tanh"
+        assert torch.equal(call(), ref)
+
+
+@pytest.mark.parametrize("change", ["exclude the second linear", "a hook on the GELU", "dropout"])
+def test_feed_forwards_that_do_not_match_keep_their_gelu(change):
+    """No fusion where the second linear stays bf16, where a hook would see the GELU's output, or where the dropout
+    between them is not the identity; the FP8 output then is the unfused one."""
+    model, call = _diffusers("WanTransformer3DModel")
+    exclude = ["ffn.net.2"] if change == "exclude the second linear" else None
+    if change == "a hook on the GELU":
+        model.blocks[0].ffn.net[0].register_forward_hook(lambda module, args, out: None)
+    if change == "dropout":
+        model.blocks[0].ffn.net[1].p = 0.1
+    with qp.patch_model(model, "off", linear="fp8", policy="always", linear_exclude=exclude) as handle:
+        ff = model.blocks[0].ffn
+        assert "gelu" not in vars(ff.net[0])
+        assert not isinstance(ff.net[2], FP8Linear) or ff.net[2].activation is None
+        fused = 0 if exclude else 1  # block 1 keeps its plain feed-forward except when every second linear is bf16
+        assert (f"the GELU of {fused} feed-forwards" in handle.report()) == bool(fused)
+
+
 def test_norm_and_embedding_linears_are_kept():
     model, call = _diffusers("CogVideoXTransformer3DModel")
     ref = call()
@@ -521,7 +567,7 @@ def test_gpu_fast_accumulation_stays_within_its_documented_error(k):
     lin = _linear(k, 1024, seed=k, dtype=torch.bfloat16).cuda()
     fp8 = FP8Linear.from_linear(lin)
     x = _randn(512, k, seed=k + 7).to("cuda", torch.bfloat16)
-    x[0] = lin.weight[0]  # row 0, output 0: a sum of squares
+    x[0] = lin.weight[0].detach()  # row 0, output 0: a sum of squares (no gradient to record: the kernels run)
     exact = fp8(x)
     fp8.fast_accum = True
     fast = fp8(x)
@@ -546,3 +592,28 @@ def test_gpu_patched_llama_routes_to_scaled_mm_and_compiles_without_graph_breaks
         x = torch.randn(3, 17, 128, device="cuda", dtype=torch.bfloat16)
         compiled = torch.compile(layer, fullgraph=True)
         assert torch.equal(compiled(x), layer(x))
+
+
+@gpu
+@needs_cuda
+def test_gpu_feed_forward_with_its_gelu_in_the_quantization_matches_the_unfused_one():
+    """A Wan2.1-1.3B-sized Diffusers feed-forward (1,536 → 8,960 → 1,536, tanh GELU) in bf16 on 4,096 tokens, both
+    linears FP8: with the GELU moved into the second layer's quantization kernel (one launch), the output is the
+    unfused one's up to the GELUs' last-bit differences, and the fused layer also compiles without graph breaks."""
+    pytest.importorskip("diffusers")
+    from diffusers.models.attention import FeedForward
+
+    from quantpatch.patches.linears import _pre_activation
+
+    torch.manual_seed(0)
+    ff = FeedForward(1536, inner_dim=8960, activation_fn="gelu-approximate").to("cuda", torch.bfloat16).eval()
+    ff.net[0].proj, ff.net[2] = (FP8Linear.from_linear(ff.net[0].proj), FP8Linear.from_linear(ff.net[2]))
+    x = torch.randn(1, 4096, 1536, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        unfused = ff(x)
+        ff.net[0].gelu, ff.net[2].activation = _pre_activation, "gelu_tanh"
+        fused = ff(x)
+        pre = ff.net[0](x)
+        assert torch.equal(torch.compile(ff.net[2], fullgraph=True)(pre), ff.net[2](pre))
+    # an element whose GELU differs in its last bit may round to the next e4m3 value: its row's products move
+    assert cos_sim(fused.float(), unfused.float()) >= 0.99999 and rel_l1(fused.float(), unfused.float()) <= 1e-3
