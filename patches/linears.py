@@ -33,8 +33,9 @@ Flux's, CogVideoX's, HunyuanVideo's) gets its GELU moved into the second layer's
 (:func:`fuse_feed_forward_gelus`): ``net[0]``'s ``gelu`` step becomes the identity (an instance attribute), so it
 returns its ``proj`` output, the pre-activation, and ``net[2]`` applies the GELU as it quantizes its input
 (``FP8Linear.activation``): one pass over the largest activation of the block where there were three (the GELU's
-read and write, the quantization's read). Same numerics as the two steps
-(:mod:`~quantpatch.kernels.fp8_linear.fp8_quant_triton`); module names and the state dict do not change.
+read and write, the quantization's read). The reference path computes the two steps as before; the GPU kernel's
+GELU may differ from ``F.gelu``'s in the last bit (:mod:`~quantpatch.kernels.fp8_linear.fp8_quant_triton`). Module
+names and the state dict do not change.
 ``remove()`` deletes the attribute again.
 """
 

@@ -116,7 +116,7 @@ def _activation_quantizer() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     return _QUANTIZER[0]
 
 
-def scaled_mm_rowwise(x: torch.Tensor, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+def scaled_mm_rowwise(x: torch.Tensor, quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]],
                       weight_fp8: torch.Tensor, weight_scale_row: torch.Tensor,
                       bias: torch.Tensor | None, fast_accum: bool = False,
                       activation: str | None = None) -> torch.Tensor:
