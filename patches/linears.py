@@ -29,14 +29,13 @@ Each swap is an entry of the parent's ``_modules`` recorded in the handle, so ``
 ``nn.Linear`` back (its weights are kept in memory while patched: :class:`~quantpatch.fp8_linear.FP8Linear`).
 
 A Diffusers ``FeedForward`` whose two linears both became FP8 (``net = [GELU(proj), Dropout(0), Linear, ...]``, Wan's,
-Flux's, CogVideoX's, HunyuanVideo's) gets its GELU moved into the second layer's activation quantization
-(:func:`fuse_feed_forward_gelus`): ``net[0]``'s ``gelu`` step becomes the identity (an instance attribute), so it
-returns its ``proj`` output, the pre-activation, and ``net[2]`` applies the GELU as it quantizes its input
-(``FP8Linear.activation``): one pass over the largest activation of the block where there were three (the GELU's
-read and write, the quantization's read). The reference path computes the two steps as before; the GPU kernel's
-GELU may differ from ``F.gelu``'s in the last bit (:mod:`~quantpatch.kernels.fp8_linear.fp8_quant_triton`). Module
-names and the state dict do not change.
-``remove()`` deletes the attribute again.
+Flux's, CogVideoX's, HunyuanVideo's, LTX-Video's, SD3's) gets its GELU moved into the second layer's activation
+quantization (:func:`fuse_feed_forward_gelus`): ``net[0]``'s ``gelu`` step becomes the identity (an instance
+attribute), so it returns its ``proj`` output, the pre-activation, and ``net[2]`` applies the GELU as it quantizes
+its input (``FP8Linear.activation``): one pass over the largest activation of the block where there were three (the
+GELU's read and write, the quantization's read). The reference path computes the two steps as before; the GPU
+kernel's GELU may differ from ``F.gelu``'s in the last bit (:mod:`~quantpatch.kernels.fp8_linear.fp8_quant_triton`).
+Module names and the state dict do not change; ``remove()`` deletes the attribute again.
 """
 
 from __future__ import annotations

@@ -441,6 +441,27 @@ def test_feed_forward_gelu_moves_into_the_second_fp8_linear(monkeypatch):
         assert torch.equal(call(), ref)
 
 
+@pytest.mark.parametrize("name, fused", [("CogVideoXTransformer3DModel", 2), ("FluxTransformer2DModel", 2),
+                                         ("HunyuanVideoTransformer3DModel", 2), ("LTXVideoTransformer3DModel", 2),
+                                         ("SD3Transformer2DModel", 3),
+                                         pytest.param("MochiTransformer3DModel", 0, marks=pytest.mark.filterwarnings(
+                                             "ignore:In CPU autocast", "ignore:FP8 linear transformer_blocks"))])
+def test_other_diffusers_feed_forwards_fuse_their_gelu_with_the_unfused_output(name, fused, monkeypatch):
+    """Every tiny Diffusers transformer whose feed-forwards are GELU ones fuses them (Mochi's tiny ones are odd-sized
+    and stay bf16: none), and its FP8 output is bitwise the unfused one's on the reference path."""
+    from quantpatch.patches import linears
+
+    model, call = _diffusers(name)
+    with monkeypatch.context() as unfused:
+        unfused.setattr(linears, "fuse_feed_forward_gelus", lambda root, handle: 0)
+        with qp.patch_model(model, "off", linear="fp8", policy="always"):
+            expected = call()
+    with qp.patch_model(model, "off", linear="fp8", policy="always") as handle:
+        assert sum(m.activation is not None for m in model.modules() if isinstance(m, FP8Linear)) == fused
+        assert (f"the GELU of {fused} feed-forwards" in handle.report()) == bool(fused)
+        assert torch.equal(call(), expected)
+
+
 @pytest.mark.parametrize("change", ["exclude the second linear", "a hook on the GELU", "dropout"])
 def test_feed_forwards_that_do_not_match_keep_their_gelu(change):
     """No fusion where the second linear stays bf16, where a hook would see the GELU's output, or where the dropout
