@@ -18,6 +18,10 @@ Llama-3-8B projection shapes (K → N: 4096 → 4096, 4096 → 14336, 14336 → 
 * ``fp8 e2e``: ``FP8Linear(x)`` from bf16 (``linear="fp8"`` of every mode): the per-token FP8 quantization kernel,
   then ``torch._scaled_mm`` rowwise with the per-channel weight scales; the CPU reference on the CPU;
 * ``bf16``: ``torch.nn.functional.linear``;
+* with ``--gelu``, the layer after a tanh GELU, as a Diffusers feed-forward's down projection runs: ``bf16 + gelu``
+  (``F.gelu`` then ``F.linear``), ``fp8 e2e + gelu`` (``F.gelu`` then ``FP8Linear``) and ``fp8 e2e, gelu fused``
+  (``FP8Linear`` with ``activation="gelu_tanh"``: the GELU inside its quantization kernel, as ``linear="fp8"``
+  patches those feed-forwards); their ``vs_bf16`` is against ``bf16 + gelu``;
 * ``fp8-tensor`` / ``fp8-rowwise``: ``torch._scaled_mm`` on pre-quantized FP8 e4m3 operands with
   per-tensor scales / per-token × per-channel fp32 scales (GEMM only: the quantization of x is
   not counted, which favours them against ``w4a8 e2e``).
@@ -79,6 +83,7 @@ LLAMA_8B_SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))  # (K, N): q/o_pr
 TOKENS = (1, 16, 128, 1024, 4096)
 QUICK_CPU_SHAPES, QUICK_CPU_TOKENS = ((256, 384),), (1, 16)
 BASELINES = ("bf16", "fp8-tensor", "fp8-rowwise")
+GELU_BASELINE = "bf16 + gelu"  # the vs_bf16 baseline of the --gelu rows
 L2_ROTATE_BYTES = 256 * 2**20
 LINE_STYLES = {"eager": "-", "graph": "--", "stream": ":"}
 logger = logging.getLogger("quantpatch").getChild("eval.bench_linear")
@@ -108,6 +113,8 @@ class Layer:
         self.w4a8 = W4A8Linear.from_linear(lin)
         self.w4a8_lut = W4A8Linear.from_linear(lin, weight_operand="lut")
         self.fp8 = FP8Linear.from_linear(lin)
+        self.fp8_gelu = FP8Linear.from_linear(lin)
+        self.fp8_gelu.activation = "gelu_tanh"
         w = self.weight.float()
         self.w_scale_tensor = w.abs().amax() / 448
         self.w_fp8_tensor = (w / self.w_scale_tensor).to(torch.float8_e4m3fn)
@@ -137,6 +144,11 @@ class Layer:
 def _inputs(m: int, k: int, n_sets: int, device: torch.device, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     return [torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16) for _ in range(n_sets)]
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """The tanh GELU of Diffusers' feed-forwards (``F.gelu(x, approximate="tanh")``)."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
 
 
 def _timer(device: torch.device) -> Callable:
@@ -181,6 +193,10 @@ def speed_rows(args) -> list[dict]:
         for kind in ("tensor", "rowwise"):
             timed(f"fp8-{kind}", lambda i, kind=kind: layer.scaled_mm(kind, *fp8[i][kind]))
         timed("fp8 e2e", lambda i: layer.fp8(xs[i]))
+        if args.gelu:
+            timed(GELU_BASELINE, lambda i: torch.nn.functional.linear(gelu(xs[i]), layer.weight))
+            timed("fp8 e2e + gelu", lambda i: layer.fp8(gelu(xs[i])))
+            timed("fp8 e2e, gelu fused", lambda i: layer.fp8_gelu(xs[i]))
         timed("w4a8 e2e", lambda i: layer.w4a8(xs[i]))
         timed("w4a8-lut e2e", lambda i: layer.w4a8_lut(xs[i]))
         if kernels:
@@ -208,10 +224,13 @@ def speed_rows(args) -> list[dict]:
 
 def _with_ratios(shape_rows: list[dict]) -> list[dict]:
     """Each row of one (K, N, M) with ``vs_<baseline>`` (the baseline's time in the same mode / the row's), printed."""
-    base = {(r["impl"], r["mode"]): r["ms"] for r in shape_rows if r["impl"] in BASELINES}
+    base = {(r["impl"], r["mode"]): r["ms"] for r in shape_rows if r["impl"] in (*BASELINES, GELU_BASELINE)}
     for r in shape_rows:
+        gelu_row = "gelu" in r["impl"]
         for b in BASELINES:
-            b_ms = base.get((b, r["mode"]))
+            b_ms = base.get((GELU_BASELINE if gelu_row and b == "bf16" else b, r["mode"]))
+            if gelu_row and b != "bf16":
+                b_ms = None
             r[f"vs_{b}"] = b_ms / r["ms"] if b_ms is not None and r["impl"] != "w4a8 quant" else ""
         print(f"K={r['k']:5d} N={r['n']:5d} M={r['m']:4d} {r['impl']:>11s} {r['mode']:>6s} {r['ms']:8.4f} ms "
               f"{r['tflops']:7.1f} TFLOPS  " + "  ".join(f"x{r[f'vs_{b}'] or 0:5.2f} {b}" for b in BASELINES),
@@ -396,6 +415,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--stream", type=int, default=0, metavar="L",
                    help="also time streams of L distinct layers in one CUDA graph (mode 'stream'; 0: off)")
     p.add_argument("--no-accuracy", action="store_true")
+    p.add_argument("--gelu", action="store_true",
+                   help="also time the layer after a tanh GELU: bf16, FP8 after F.gelu, FP8 with the GELU fused")
     p.add_argument("--quick", action="store_true", help="CPU: one 256x384 shape at M in {1, 16}, 3 calls")
     p.add_argument("--tune", action="store_true", help="time GEMM tile configurations instead (GEMM only)")
     p.add_argument("--configs", type=Path, help="GEMM_CONFIGS rows (best_table.json of --tune) to run with")

@@ -15,7 +15,7 @@ from quantpatch.cli_commands import load_eval_script
 def quick_run(tmp_path_factory):
     pytest.importorskip("matplotlib")
     out = tmp_path_factory.mktemp("bench_linear")
-    return load_eval_script("bench_linear.py").main(["--quick", "--device", "cpu", "--stream", "2",
+    return load_eval_script("bench_linear.py").main(["--quick", "--device", "cpu", "--stream", "2", "--gelu",
                                                            "--out", str(out)]), out
 
 
@@ -55,12 +55,15 @@ def test_every_implementation_timed_with_ratios(quick_run, fp8_baselines):
     rows = _read_csv(out / "speed.csv")
     assert {(r["m"], r["impl"], r["mode"]) for r in rows} == {
         (m, i, mode) for m in ("1", "16") for i in ("bf16", *fp8_baselines, "fp8 e2e", "w4a8 e2e")
-        for mode in ("eager", "stream")} | {(m, "w4a8-lut e2e", "eager") for m in ("1", "16")}
-    # no graphs on the CPU; streams of 2 layers
+        for mode in ("eager", "stream")} | {(m, i, "eager") for m in ("1", "16") for i in (
+            "w4a8-lut e2e", "bf16 + gelu", "fp8 e2e + gelu", "fp8 e2e, gelu fused")}
+    # no graphs on the CPU; streams of 2 layers; the --gelu rows against bf16 + gelu, not against the other baselines
     for r in rows:
         assert float(r["ms"]) > 0 and float(r["vs_bf16"]) > 0
-        if r["impl"] == "bf16":
+        if r["impl"] in ("bf16", "bf16 + gelu"):
             assert float(r["vs_bf16"]) == 1.0
+        if "gelu" in r["impl"]:
+            assert r["vs_fp8-rowwise"] == "" and r["vs_fp8-tensor"] == ""
 
 
 def test_tune_table_picks_the_best_geometric_mean_per_bucket():
