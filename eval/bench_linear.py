@@ -102,9 +102,10 @@ def cpu_time(fn: Callable[[int], object], n_sets: int, warmup: int, rep: int) ->
 
 
 class Layer:
-    """One (K, N) projection in every format: bf16 weight, W4A8 and FP8 modules, FP8 weight with both scale kinds."""
+    """One (K, N) projection in every format: bf16 weight, W4A8 and FP8 modules, FP8 weight with both scale kinds;
+    with ``gelu``, also the FP8 module that applies a tanh GELU to its input (``fp8_gelu``)."""
 
-    def __init__(self, k: int, n: int, device: torch.device, seed: int):
+    def __init__(self, k: int, n: int, device: torch.device, seed: int, gelu: bool = False):
         gen = torch.Generator(device="cpu").manual_seed(seed)
         self.weight = (torch.randn(n, k, generator=gen) * 0.02).to(device=device, dtype=torch.bfloat16)
         lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
@@ -113,8 +114,9 @@ class Layer:
         self.w4a8 = W4A8Linear.from_linear(lin)
         self.w4a8_lut = W4A8Linear.from_linear(lin, weight_operand="lut")
         self.fp8 = FP8Linear.from_linear(lin)
-        self.fp8_gelu = FP8Linear.from_linear(lin)
-        self.fp8_gelu.activation = "gelu_tanh"
+        if gelu:
+            self.fp8_gelu = FP8Linear.from_linear(lin)
+            self.fp8_gelu.activation = "gelu_tanh"
         w = self.weight.float()
         self.w_scale_tensor = w.abs().amax() / 448
         self.w_fp8_tensor = (w / self.w_scale_tensor).to(torch.float8_e4m3fn)
@@ -177,7 +179,7 @@ def speed_rows(args) -> list[dict]:
     if kernels:
         from quantpatch.kernels.w4a8 import w4a8_triton as wt
     for m, (k, n) in itertools.product(args.tokens, args.shapes):  # small M first: a time-boxed run keeps decode
-        layer = Layer(k, n, args.device, seed=k + n)
+        layer = Layer(k, n, args.device, seed=k + n, gelu=args.gelu)
         n_sets = max(1, min(4, L2_ROTATE_BYTES // (m * k * 2 + n * k * 2)))
         xs = _inputs(m, k, n_sets, args.device, seed=m)
         shape_rows = []

@@ -47,11 +47,13 @@ from typing import Any
 from torch import nn
 
 from quantpatch.fallback import fall_back, logger
+from quantpatch.kernels.fp8_linear.fp8_linear_ref import ACTIVATIONS
 from quantpatch.patches import _class_names, selected
 from quantpatch.patching import PatchHandle
 
 NORM_MARK = "Norm"  # class names of normalization modules: their linears (adaLN modulation) stay
-GELU_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_tanh"}  # Diffusers GELU.approximate → FP8Linear.activation
+# Diffusers GELU.approximate → FP8Linear.activation (the inverse of the reference's activation → F.gelu approximate)
+GELU_ACTIVATIONS = {approximate: activation for activation, approximate in ACTIVATIONS.items()}
 
 
 def transformer_root(model: Any) -> nn.Module:
