@@ -12,8 +12,10 @@ python -m pip install -q --no-deps carry/wheels/*.whl >>"$OUT/install.log" 2>&1
 export QP_GIT_SHA=${QP_GIT_SHA:-unknown} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ $what == tests || $what == all ]]; then
-  python -m pytest -q -s -m gpu -rs -p no:cacheprovider --tb=short tests/kernels tests/patches tests/quantpatch tests/bad_inputs \
-    >"$OUT/pytest_gpu.log" 2>&1
+  # with pytest-xdist (a carried wheel), 8 workers share the GPU: the suite compiles hundreds of kernels
+  workers=$(python -c "import xdist" 2>/dev/null && echo "-n 8 -p no:benchmark")
+  python -m pytest -q -s -m gpu -rfEs -p no:cacheprovider --tb=short $workers tests/kernels tests/patches tests/quantpatch \
+    tests/bad_inputs >"$OUT/pytest_gpu.log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed|PSNR" "$OUT/pytest_gpu.log" | tail -20
 fi
 if [[ $what == tune || $what == all ]]; then

@@ -334,7 +334,8 @@ class Sm90Prefill:
     which makes the launch plans, and keeps its :class:`~quantpatch.kernels.attention.qk_quant_triton.QuantizePlan`
     and :class:`~quantpatch.kernels.attention.one_warpgroup_gluon.Sm90Launch`; later calls carve the quantized
     operands from one allocation and launch with their addresses (the same kernels on the same values: the same
-    bits). Where a launch plan is gone (``LaunchPlans.clear``), the call takes the general path again."""
+    bits). Bound launches keep their kernels after ``LaunchPlans.clear``; where an unbound launch finds its plan gone
+    (``LookupError``), the call takes the general path again."""
 
     def __init__(self, cfg: AttentionConfig, is_causal: bool, sm_scale: float):
         self.cfg, self.is_causal, self.sm_scale = cfg, is_causal, sm_scale

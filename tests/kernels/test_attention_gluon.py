@@ -226,10 +226,13 @@ def test_gpu_public_api_routes_long_calls(mode, causal, nq, nk, route):
 @needs_cuda
 @hopper
 @pytest.mark.parametrize("nk", [1000, 4096])  # the Triton kernel's route, the sm_90 kernel's
-def test_gpu_later_calls_of_a_shape_relaunch_the_compiled_kernels(nk):
+def test_gpu_later_calls_of_a_shape_relaunch_the_compiled_kernels(nk, monkeypatch):
     """A shape's first call goes through ``JITFunction.run``; later ones go to the compiled kernels' launchers
-    (``compiled_launch.LaunchPlans``, no new plan) and give the bits a first call gives, for new inputs too."""
+    (``compiled_launch.LaunchPlans``, no new plan) and give the bits a first call gives, for new inputs too. Each
+    first call starts from no signature's ``Sm90Prefill`` (whose bound launches outlive ``LaunchPlans.clear``, so
+    a signature an earlier test ran would make no plan)."""
     import quantpatch as qp
+    from quantpatch.kernels.attention import fast_paths
     from quantpatch.kernels.attention.fast_paths import PREFILL_PLANS as plans
     from quantpatch.kernels.attention.fast_paths import SM90_MIN_KEYS
 
@@ -240,12 +243,14 @@ def test_gpu_later_calls_of_a_shape_relaunch_the_compiled_kernels(nk):
     def call(x):
         return qp.attention(*x, mode="sage2-8b", strict=True)
 
-    for p in plans:
-        p.clear()
-    b_first = call(b)
-    for p in plans:
-        p.clear()
-    a_first = call(a)
+    def first_call(x):
+        monkeypatch.setattr(fast_paths, "_SM90_PREFILLS", {})
+        for p in plans:
+            p.clear()
+        return call(x)
+
+    b_first = first_call(b)
+    a_first = first_call(a)
     counts = [len(p) for p in plans]
     # statistics, ΔS (none: sage2-8b has no smooth Q), K/V, then the Triton / ping-pong / sm_90 attention kernel
     assert counts == [1, 0, 1, int(nk < min_keys), 0, int(nk >= min_keys)]

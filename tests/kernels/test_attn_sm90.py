@@ -225,8 +225,8 @@ def _general_path(q, k, v, cfg, causal):
     ("fireq", 64, True, 4097, 4097)])
 def test_gpu_sm90_prefill_plan_gives_the_general_paths_bits(mode, head_dim, causal, nq, nk):
     """``quantized_attention``'s later calls of one signature (``Sm90Prefill``: the quantized operands carved from one
-    allocation and launched by address) give the general path's output bit for bit on new input contents; after the
-    launch plans are cleared, a call takes the general path again and gives the same bits."""
+    allocation and launched by address) give the general path's output bit for bit on new input contents, after the
+    launch plans are cleared too (the bound launches keep their kernels)."""
     import quantpatch as qp
     from quantpatch.kernels.attention import fast_paths
 
@@ -248,7 +248,7 @@ def test_gpu_sm90_prefill_plan_gives_the_general_paths_bits(mode, head_dim, caus
     for p in fast_paths.PREFILL_PLANS:
         p.clear()
     after_clear = call(*sets[3])
-    assert plan.attend is not None  # made again by the general path
+    assert plan.attend is not None  # its bound launches keep their kernels
     for out, s in zip([first, *later, after_clear], sets):
         assert torch.equal(out, _general_path(*s, cfg, causal))
     assert not torch.equal(later[0], later[1])
