@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..compiled_launch import LaunchPlans, cdiv, interpreting, next_pow2
+from ..compiled_launch import LaunchPlans, cdiv, current_stream, interpreting, next_pow2
 from ..rounding_triton import ROUND_TO, _div_by, _round_to, _to_fp8e4m3
 
 E4M3_MAX = tl.constexpr(448.0)  # a constexpr: @triton.jit code reads only constexpr globals
@@ -162,15 +162,42 @@ def quantize_rows_fp8(x: torch.Tensor, activation: str | None = None) -> tuple[t
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"x has dtype {x.dtype}; the kernel takes float16, bfloat16 or float32")
     m, k = x.shape
-    q = torch.empty((m, k), device=x.device, dtype=torch.float8_e4m3fn)
-    scale = torch.empty((m, 1), device=x.device, dtype=torch.float32)
     if m and k:
-        constexprs, warps = _tile(k, activation, x.dtype)
-        _LAUNCH((cdiv(m, constexprs["ROWS"]),), (x, q, scale, m, k, x.stride(0), q.stride(0)), constexprs,
-                num_warps=warps)
-    elif m:
-        scale.fill_(1.0)  # no channels: absmax 0
-    return q, scale
+        return RowQuantizer(x, activation)(x)
+    q = torch.empty((m, k), device=x.device, dtype=torch.float8_e4m3fn)
+    return q, torch.ones((m, 1), device=x.device, dtype=torch.float32)  # no channels: absmax 0, scale 1
+
+
+class RowQuantizer:
+    """:func:`quantize_rows_fp8` of every input of one signature (the shape, row stride, dtype and 16-byte alignment
+    of ``x (M, K)``, ``M, K > 0``, last dim contiguous; what the launch specializes on) with one ``activation``:
+    the tile and the launch arguments made once, and from the second call on the compiled kernel launched by its
+    bound plan (``LaunchPlans.bound``), no plan key made. Unchecked: a caller passes inputs of that signature."""
+
+    __slots__ = ("shape", "ints", "grid", "constexprs", "options", "plan_key", "bound")
+
+    def __init__(self, x: torch.Tensor, activation: str | None) -> None:
+        m, k = x.shape
+        self.constexprs, warps = _tile(k, activation, x.dtype)
+        self.shape, self.ints = (m, k), (m, k, x.stride(0), k)  # q is contiguous (M, K)
+        self.grid, self.options = (cdiv(m, self.constexprs["ROWS"]),), dict(num_warps=warps)
+        self.plan_key = (x.shape, x.stride(0), x.dtype, x.data_ptr() % 16 == 0)
+        self.bound = None
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q float8_e4m3fn (M, K)`` and ``s float32 (M, 1)`` of ``x``, launched on the current stream."""
+        device = x.device
+        q = torch.empty(self.shape, device=device, dtype=torch.float8_e4m3fn)
+        scale = torch.empty((self.shape[0], 1), device=device, dtype=torch.float32)
+        args = (x, q, scale) + self.ints
+        if self.bound is not None:
+            self.bound(current_stream(device.index), args)
+            return q, scale
+        _LAUNCH(self.grid, args, self.constexprs, plan_key=self.plan_key, **self.options)
+        if x.is_cuda:
+            self.bound = _LAUNCH.bound(self.grid, self.constexprs, plan_key=self.plan_key, device=device.index,
+                                       **self.options)
+        return q, scale
 
 
 @torch.library.custom_op("quantpatch::fp8_quantize_rows", mutates_args=())

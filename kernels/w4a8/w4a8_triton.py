@@ -41,7 +41,7 @@ accumulates in fp32.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -466,6 +466,16 @@ def _gluon_gate(m: int, n: int, k: int) -> GluonGate:
     """The gate of the Gluon kernel for ``M × K → N``: the decode kernel's where the table picks the decode kernel
     (M ≤ 16), the prefill kernel's above."""
     return GLUON if gemm_config(m, n, k)["kernel"] == "decode" else PREFILL_GLUON
+
+
+def linear_2d_of(m: int, n: int, k: int, device: torch.device) -> Callable[..., torch.Tensor]:
+    """The function :func:`w4a8_linear_2d` hands ``M × K → N`` to on ``device`` where :func:`uses_gluon` (the Gluon
+    decode or prefill wrapper; same arguments), else :func:`w4a8_linear_2d` itself: what a planned call of that
+    shape runs."""
+    gate = _gluon_gate(m, n, k)
+    if gate.unsupported(device) is not None:
+        return w4a8_linear_2d
+    return _gluon.w4a8_linear_gluon if gate is GLUON else _prefill.w4a8_linear_prefill_gluon
 
 
 def uses_gluon(m: int, n: int, k: int, device: torch.device) -> bool:

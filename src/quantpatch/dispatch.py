@@ -103,8 +103,9 @@ class Implementation:
     priority: int
     unsupported: Callable[[Any], str | None]
     run: Callable[[Any], Any]
-    # plan(call): where ``run`` computes every call of ``call``'s signature (:func:`attention_signature`) by the same
-    # launches, a function ``(q, k, v) -> (o, lse)`` that does so with no checks; None elsewhere
+    # plan(call): where ``run`` computes every call of ``call``'s signature by the same launches, a function that
+    # does so with no checks: ``(q, k, v) -> (o, lse)`` for attention (:func:`attention_signature`), ``(layer, x) ->
+    # y`` for the linear ops (:class:`LinearPlans`); None elsewhere
     plan: Callable[[Any], Callable | None] | None = None
 
 
@@ -121,6 +122,7 @@ _REGISTRY: dict[str, dict[str, list[Implementation]]] = {op: {key: [] for key in
 # plan (``Implementation.plan``): a later call of the signature runs the plan, its route and checks already made
 _PLANNED: dict[tuple, tuple[str, AttentionConfig, Callable]] = {}
 PLANNED_SIGNATURES = 256  # kept; past it, all are dropped
+_registrations = 0  # how many registrations were made: a linear layer's planned calls made before the last one go
 
 
 def register(op: str, key: str, impl: Implementation) -> None:
@@ -130,8 +132,10 @@ def register(op: str, key: str, impl: Implementation) -> None:
     if key not in _REGISTRY[op]:
         raise ValueError(f"unknown key {key!r} of op {op!r}; valid: {sorted(_REGISTRY[op])}")
     others = [i for i in _REGISTRY[op][key] if i.name != impl.name]
+    global _registrations
     _REGISTRY[op][key] = sorted([*others, impl], key=lambda i: -i.priority)
     _PLANNED.clear()  # a planned call's implementation may no longer be the one chosen
+    _registrations += 1
 
 
 def implementations(op: str, key: str) -> list[Implementation]:
@@ -248,28 +252,116 @@ def run_on_device(impl: Implementation, call: Any) -> Any:
         return impl.run(call)
 
 
-def run_op(op: str, key: str, call: Any, *, what: str, record: SiteRecord | None = None) -> Any:
+def run_op(op: str, key: str, call: Any, *, what: str, record: SiteRecord | None = None,
+           plans: LinearPlans | None = None) -> Any:
     """Run ``call`` on the implementation :func:`select` picks.
 
     The reasons of the implementations that declined it before (but :class:`Quiet` ones) are a fallback of ``what``:
     one warning per reason, recorded on the running site (``fall_back``) and on ``record``. ``record`` also counts
-    the call under the implementation's name (its ``routes``).
+    the call under the implementation's name (its ``routes``). ``plans`` (a linear call's layer's): where no
+    implementation declined it loudly, the chosen one's plan of the call (``Implementation.plan``) is kept there.
     """
     impl, declined = _choose(op, key, call)
     if impl is None:
         raise ValueError(f"{what}: no implementation takes this call ({'; '.join(r for _, r in declined)})")
-    if declined:
-        loud = [reason for _, reason in declined if not isinstance(reason, Quiet)]
-        if loud:
-            reason = "; ".join(dict.fromkeys(loud))
-            fall_back(what, reason, strict=False,
-                      to="the PyTorch reference" if impl.name == REFERENCE else f"the {impl.name} implementation")
-            if record is not None:
-                record.fallbacks.add(reason)
+    loud = [reason for _, reason in declined if not isinstance(reason, Quiet)]
+    if loud:
+        reason = "; ".join(dict.fromkeys(loud))
+        fall_back(what, reason, strict=False,
+                  to="the PyTorch reference" if impl.name == REFERENCE else f"the {impl.name} implementation")
+        if record is not None:
+            record.fallbacks.add(reason)
     out = run_on_device(impl, call)
     if record is not None:
         record.count(impl.name)
+    if plans is not None and not loud and impl.plan is not None and plans.may_serve(call.x):
+        plan = impl.plan(call)
+        if plan is not None:
+            plans.keep(call.x, impl.name, plan)
     return out
+
+
+def linear_signature(x: torch.Tensor) -> tuple:
+    """What a linear layer's call is decided by, besides the layer: ``x``'s shape, strides, dtype, device and 16-byte
+    alignment."""
+    return x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16
+
+
+class LinearPlans:
+    """A quantized linear layer's planned calls (:class:`PlannedLinear`): :func:`linear_signature` of an input → the
+    route its calls take and a function ``(layer, x) -> y`` that runs it with no checks (``Implementation.plan``, or
+    the layer's own route by policy). A later call of the signature runs that function and is counted on the
+    layer's site: no dispatch, no checks. The layer clears them whenever it may change (an attribute set, ``.to()``
+    or a cast); a registration made since drops them all; copies of the layer start with none."""
+
+    __slots__ = ("entries", "registrations")
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple, tuple[str, Callable]] = {}
+        self.registrations = _registrations
+
+    def __deepcopy__(self, memo: dict) -> LinearPlans:
+        return LinearPlans()
+
+    def __reduce__(self) -> tuple:
+        return LinearPlans, ()
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def run(self, layer: torch.nn.Module, x: torch.Tensor, record: SiteRecord | None) -> torch.Tensor | None:
+        """``layer``'s output on ``x`` by the planned call of ``x``'s signature, counted on ``record``; None where
+        there is none, or where a planned call may not serve ``x``: a gradient to record, a ``torch.compile``
+        trace, another CUDA device current."""
+        if not (self.entries and self.may_serve(x)):
+            return None
+        if self.registrations != _registrations:
+            self.entries.clear()
+            self.registrations = _registrations
+            return None
+        entry = self.entries.get(linear_signature(x))
+        if entry is None or (x.is_cuda and x.device.index != torch.cuda.current_device()):
+            return None
+        route, plan = entry
+        y = plan(layer, x)
+        if record is not None:
+            record.count(route)
+        return y
+
+    @staticmethod
+    def may_serve(x: torch.Tensor) -> bool:
+        """Whether a planned call may serve ``x``: no gradient to record, no ``torch.compile`` trace."""
+        return not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling()
+
+    def keep(self, x: torch.Tensor, route: str, plan: Callable) -> None:
+        """Keep ``plan``, a function ``(layer, x) -> y``, as the route ``route`` of ``x``'s signature (for an ``x``
+        that :meth:`may_serve`)."""
+        if self.registrations != _registrations:
+            self.entries.clear()
+            self.registrations = _registrations
+        if len(self.entries) >= PLANNED_SIGNATURES:
+            self.entries.clear()
+        self.entries[linear_signature(x)] = (route, plan)
+
+
+class PlannedLinear(torch.nn.Module):
+    """Base of the quantized linear layers: their :class:`LinearPlans` (``plans``), cleared on every attribute set
+    (buffers assigned, ``load_state_dict(assign=True)``, ``activation``, ...) and by ``.to()`` and casts (``_apply``),
+    so that a planned call never outlives what it was planned from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plans = LinearPlans()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        plans = self.__dict__.get("plans")
+        if plans is not None:
+            plans.clear()
+
+    def _apply(self, fn, recurse=True):
+        self.plans.clear()
+        return super()._apply(fn, recurse)
 
 
 POLICIES = ("speed", "always")

@@ -37,7 +37,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from quantpatch.dispatch import REFERENCE, Implementation, LinearCall, Quiet, check_in_features, register, run_op
+from quantpatch.dispatch import (
+    REFERENCE,
+    Implementation,
+    LinearCall,
+    PlannedLinear,
+    Quiet,
+    check_in_features,
+    register,
+    run_op,
+)
 from quantpatch.fallback import ORIGINAL_LINEAR_ROUTE, SiteRecord
 from quantpatch.kernels.device import cuda_unsupported
 from quantpatch.kernels.fp8_linear.fp8_linear_ref import activate_ref, fp8_linear_ref, quantize_rows_fp8_ref
@@ -175,12 +184,41 @@ def _gpu_run(call: LinearCall) -> torch.Tensor:
                              buffers["weight_scale"].view(1, -1), buffers["bias"], layer.fast_accum, layer.activation)
 
 
+def _gpu_plan(call: LinearCall) -> Callable[[FP8Linear, torch.Tensor], torch.Tensor] | None:
+    """:func:`_gpu_run` for every input of ``call.x``'s signature (a planned call, ``dispatch.LinearPlans``): the
+    quantization launch bound once (``RowQuantizer``), then ``torch._scaled_mm`` on the layer's buffers (the
+    transposed weight and the scale row made again only where a buffer was replaced); None where the rows are not a
+    view of ``x`` with a contiguous last dim."""
+    from quantpatch.kernels.fp8_linear.fp8_quant_triton import RowQuantizer
+
+    x, layer = call.x, call.layer
+    k, n = layer.in_features, layer.out_features
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1 or rows.data_ptr() != x.data_ptr() or not rows.numel():
+        return None
+    quantize = RowQuantizer(rows, layer.activation)
+    out_shape, out_dtype, fast_accum = (*x.shape[:-1], n), x.dtype, layer.fast_accum
+    operands: list = [None, None, None, None]  # weight_fp8, its transpose, weight_scale, its (1, N) row
+
+    def planned(layer: FP8Linear, x: torch.Tensor) -> torch.Tensor:
+        buffers = layer._buffers
+        weight, scale = buffers["weight_fp8"], buffers["weight_scale"]
+        if weight is not operands[0] or scale is not operands[2]:
+            operands[:] = weight, weight.t(), scale, scale.view(1, -1)
+        x_fp8, x_scale = quantize(x.view(-1, k))
+        y = torch._scaled_mm(x_fp8, operands[1], scale_a=x_scale, scale_b=operands[3], bias=buffers["bias"],
+                             out_dtype=out_dtype, use_fast_accum=fast_accum)
+        return y.view(out_shape)
+
+    return planned
+
+
 def _reference(call: LinearCall) -> torch.Tensor:
     layer = call.layer
     return fp8_linear_ref(call.x, layer.weight_fp8, layer.weight_scale, layer.bias, layer.activation)
 
 
-register(OP, KEY, Implementation(ROUTE_GPU, 10, _gpu_unsupported, _gpu_run))
+register(OP, KEY, Implementation(ROUTE_GPU, 10, _gpu_unsupported, _gpu_run, _gpu_plan))
 register(OP, KEY, Implementation(ROUTE_REFERENCE, 0, lambda call: None, _reference))
 
 
@@ -193,7 +231,12 @@ def original_reason(tokens: int, is_cuda: bool) -> str | None:
     return None
 
 
-class FP8Linear(nn.Module):
+def _original_route(layer: FP8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The layer's original ``nn.Linear`` on ``x`` (after the layer's activation): its route by policy."""
+    return layer.original[0](activate_ref(x, layer.activation))
+
+
+class FP8Linear(PlannedLinear):
     """``y = x Wᵀ + b`` with e4m3 weights per output channel and e4m3 activations per token (inference only).
 
     Buffers (``state_dict`` carries them, ``.to()`` moves them; a dtype cast leaves the FP8 weight and
@@ -250,15 +293,23 @@ class FP8Linear(nn.Module):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x (..., K)`` → ``(..., N)``: FP8, or the original layer where :func:`original_reason` gives a reason."""
+        """``x (..., K)`` → ``(..., N)``: FP8, or the original layer where :func:`original_reason` gives a reason.
+        From the second call of an input signature on, the route and checks of its first call are reused
+        (``dispatch.LinearPlans``)."""
+        y = self.plans.run(self, x, self.site)
+        if y is not None:
+            return y
         check_in_features(x, self)
         if self.speed_policy and self.original[0].weight.device == x.device:
             why = original_reason(x.numel() // self.in_features, x.is_cuda)
             if why is not None:
+                route = ORIGINAL_LINEAR_ROUTE + why
                 if self.site is not None:
-                    self.site.count(ORIGINAL_LINEAR_ROUTE + why)
-                return self.original[0](activate_ref(x, self.activation))
-        return run_op(OP, KEY, LinearCall(x, self), what=self.what, record=self.site)
+                    self.site.count(route)
+                if self.plans.may_serve(x):
+                    self.plans.keep(x, route, _original_route)
+                return _original_route(self, x)
+        return run_op(OP, KEY, LinearCall(x, self), what=self.what, record=self.site, plans=self.plans)
 
     def _apply(self, fn, recurse=True):
         # ``model.to(torch.bfloat16)`` casts every floating buffer, FP8 ones included; the e4m3 weight and

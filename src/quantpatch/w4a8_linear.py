@@ -25,6 +25,7 @@ from quantpatch.dispatch import (
     W4A8_KERNELS_MODULE,
     Implementation,
     LinearCall,
+    PlannedLinear,
     Quiet,
     check_in_features,
     on_kernels_import,
@@ -67,7 +68,29 @@ def _register_kernels(kernels: ModuleType) -> None:
         note_implementation("gluon" if gluon else "triton")
         return y
 
-    register(OP, KEY, Implementation("triton", 10, unsupported, run))
+    def plan(call: LinearCall):
+        """:func:`run` for every input of ``call.x``'s signature (``dispatch.LinearPlans``): the kernel
+        :func:`~quantpatch.kernels.w4a8.w4a8_triton.w4a8_linear_2d` picks for its shape called directly; None where
+        the rows are not a view of ``x`` with a contiguous last dim."""
+        x, layer = call.x, call.layer
+        k, n = layer.in_features, layer.out_features
+        rows = x.reshape(-1, k)
+        if rows.stride(-1) != 1 or rows.data_ptr() != x.data_ptr():
+            return None
+        m = rows.shape[0]
+        gluon = kernels.uses_gluon(m, n, k, x.device)  # as run() asks it: after the call that compiled the kernel
+        linear_2d, name, out_shape = kernels.linear_2d_of(m, n, k, x.device), "gluon" if gluon else "triton", \
+            (*x.shape[:-1], n)
+
+        def planned(layer: W4A8Linear, x: torch.Tensor) -> torch.Tensor:
+            buffers = layer._buffers
+            y = linear_2d(x.view(m, k), buffers["qweight"], buffers["scales"], buffers["pts_exp"], buffers["bias"])
+            note_implementation(name)
+            return y.view(out_shape)
+
+        return planned
+
+    register(OP, KEY, Implementation("triton", 10, unsupported, run, plan))
     register(OP, KEY, Implementation(ROUTE_LUT, 20, _lut_unsupported, _lut_run))
 
 
@@ -148,12 +171,16 @@ on_kernels_import(W4A8_KERNELS_MODULE, _register_kernels)
 
 
 def w4a8_matmul(x: torch.Tensor, module: W4A8Linear) -> torch.Tensor:
-    """``module``'s product on ``x (..., K)`` → ``(..., O)``: the best implementation that takes it."""
+    """``module``'s product on ``x (..., K)`` → ``(..., O)``: the best implementation that takes it (from the second
+    call of an input signature on, the one its first call chose, with no checks: ``dispatch.LinearPlans``)."""
+    y = module.plans.run(module, x, None)
+    if y is not None:
+        return y
     check_in_features(x, module)
-    return run_op(OP, KEY, LinearCall(x, module), what=module.what)
+    return run_op(OP, KEY, LinearCall(x, module), what=module.what, plans=module.plans)
 
 
-class W4A8Linear(nn.Module):
+class W4A8Linear(PlannedLinear):
     """FireQ W4A8-FP linear layer: ``y = x Wᵀ + b`` with INT4/e4m3-group weights and per-token FP8 activations.
 
     Args:

@@ -148,6 +148,41 @@ def test_gpu_module_runs_the_gluon_kernels(shape):
 @pytest.mark.gpu
 @needs_cuda
 @hopper
+@pytest.mark.parametrize("shape", [(1, 4096), (3, 5, 4096), (17, 4096), (1, 14336)])
+def test_gpu_planned_module_calls_give_the_general_paths_bits(shape, monkeypatch):
+    """From the second call of an input signature on, ``W4A8Linear`` runs that signature's planned call
+    (``dispatch.LinearPlans``: the Gluon kernel called directly, no dispatch): on new input contents the bits of the
+    whole path, still recorded as "gluon" on the running site."""
+    from quantpatch import w4a8_linear
+    from quantpatch.fallback import SiteRecord, running_site
+    from quantpatch.w4a8_linear import W4A8Linear
+
+    k = shape[-1]
+    lin = torch.nn.Linear(k, 1024)
+    with torch.no_grad():
+        lin.weight.copy_(_randn(1024, k, seed=62, scale=0.02))
+    mod = W4A8Linear.from_linear(lin).cuda()
+    xs = [_randn(*shape, seed=63 + i).to(torch.bfloat16).cuda() for i in range(3)]
+    with torch.no_grad():
+        general = []
+        for x in xs:
+            mod.plans.clear()
+            general.append(mod(x))
+        assert len(mod.plans.entries) == 1
+
+        def whole_path(*args, **kwargs):
+            raise AssertionError("a planned call went through the dispatch")
+
+        monkeypatch.setattr(w4a8_linear, "run_op", whole_path)
+        site = SiteRecord("layer", "linear", "w4a8")
+        with running_site(site):
+            planned = [mod(x) for x in xs]
+    assert all(torch.equal(a, b) for a, b in zip(planned, general)) and site.routes == {"gluon": 3}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@hopper
 def test_gpu_gluon_launch_plans_follow_the_callers_layout_and_stream():
     """Launch plans (:func:`~quantpatch.kernels.w4a8.w4a8_gluon._launch`): ``x (16, 1024)`` 2 bytes off 16-byte
     alignment, with a longer row stride, and on a side stream, each called twice (first through

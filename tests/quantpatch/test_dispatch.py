@@ -305,3 +305,80 @@ def test_a_call_with_a_gradient_to_record_takes_the_reference_not_a_kernel(regis
     with torch.no_grad():
         layer(x)
     assert events[-1] == "linear kernel"
+
+
+@pytest.mark.parametrize("layer_class", ["fp8", "w4a8"])
+def test_a_linear_layer_runs_its_planned_call_from_the_second_call_of_a_signature(registry, layer_class):
+    """``FP8Linear`` and ``W4A8Linear`` keep, per input signature, the chosen implementation's plan
+    (``dispatch.LinearPlans``): that signature's later calls run the plan alone, counted on the layer's site. Another
+    signature, a gradient to record, an attribute set, a cast and a new registration take the whole path again; a
+    plan is not kept where an implementation declined the call loudly; a copy of the layer starts with none."""
+    import copy
+
+    events = []
+    linear = torch.nn.Linear(128, 16)
+    if layer_class == "fp8":
+        op, key, layer = "fp8_linear", "fp8", FP8Linear.from_linear(linear)
+    else:
+        op, key, layer = "w4a8_linear", "w4a8_fp8", W4A8Linear.from_linear(linear)
+    if layer_class == "fp8":  # W4A8Linear counts on the running site
+        layer.site = SiteRecord("layer", "linear", key)
+
+    def run(call):
+        events.append("run")
+        return torch.zeros(*call.x.shape[:-1], call.layer.out_features)
+
+    def plan(call):
+        return lambda layer, x: (events.append("plan"), torch.ones(*x.shape[:-1], layer.out_features))[1]
+
+    dispatch.register(op, key, Implementation("stub", 100, lambda call: None, run, plan))
+    x = torch.randn(2, 3, 128)
+    assert not layer(x).any() and layer(x).all() and layer(x.clone()).all()
+    assert events == ["run", "plan", "plan"]
+    if layer_class == "fp8":
+        assert layer.site.routes == {"stub": 3}
+    events.clear()
+    layer(x[:1])  # another signature
+    with pytest.warns(QuantpatchFallbackWarning, match="a gradient to record"):
+        layer(x.requires_grad_())  # the reference records the gradient
+    with torch.no_grad():
+        layer(x)
+    assert events == ["run", "plan"]
+    for change in (lambda: setattr(layer, "what", layer.what), lambda: layer.to(torch.float64),
+                   lambda: dispatch.register(op, key, Implementation("stub", 100, lambda call: None, run, plan))):
+        change()
+        events.clear()
+        with torch.no_grad():
+            layer(x.to(layer.bias.dtype))
+            layer(x.to(layer.bias.dtype))
+        assert events == ["run", "plan"]
+    twin = copy.deepcopy(layer)
+    assert not twin.plans.entries and layer.plans.entries
+    events.clear()
+    dispatch.register(op, key, Implementation("stub", 100, lambda call: "declined", run, plan))
+    dispatch.register(op, key, Implementation("second", 90, lambda call: None, run, plan))
+    with torch.no_grad(), pytest.warns(QuantpatchFallbackWarning, match="declined"):
+        layer(x.double())
+        layer(x.double())
+    assert events == ["run", "run"]
+
+
+def test_fp8_linear_plans_its_original_route_under_the_speed_policy():
+    """Under ``policy="speed"`` on the CPU an FP8 layer calls its original ``nn.Linear``: from the second call of a
+    signature through its planned call, the same bits and the same route count, and a new activation is followed."""
+    from quantpatch.fallback import ORIGINAL_LINEAR_ROUTE
+
+    linear = torch.nn.Linear(64, 32)
+    layer = FP8Linear.from_linear(linear)
+    layer.original, layer.speed_policy = (linear,), True
+    layer.site = SiteRecord("layer", "linear", "fp8")
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        outs = [layer(x) for _ in range(3)]
+        assert all(torch.equal(o, linear(x)) for o in outs) and len(layer.plans.entries) == 1
+        layer.activation = "gelu_tanh"
+        assert not layer.plans.entries
+        gelu = [layer(x) for _ in range(2)]
+    assert all(torch.equal(o, linear(torch.nn.functional.gelu(x, approximate="tanh"))) for o in gelu)
+    route = ORIGINAL_LINEAR_ROUTE + "the FP8 path off CUDA is the PyTorch reference"
+    assert layer.site.routes == {route: 5}

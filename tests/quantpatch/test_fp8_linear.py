@@ -6,6 +6,7 @@ bounds of ``tests/tolerances.py``. ``patch_model(..., linear="fp8")`` swaps exac
 linears of a tiny Llama and of tiny Diffusers transformers, and ``remove()`` restores them bitwise.
 """
 
+import math
 from pathlib import Path
 
 import pytest
@@ -575,6 +576,37 @@ def test_gpu_scaled_mm_path_matches_the_reference(m, bias):
     assert y.dtype == torch.bfloat16 and y.shape == (m, 1408)
     # the same products summed in another order, both rounded to bf16 at the end: a few elements one bf16 ulp apart
     assert rel_l1(y.float(), ref.float()) <= 1e-3
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("activation", [None, "gelu_tanh"])
+@pytest.mark.parametrize("shape", [(1, 1536), (2, 300, 1536), (4096, 8960)])
+def test_gpu_planned_calls_give_the_general_paths_bits(shape, activation, monkeypatch):
+    """From the second call of an input signature on, ``FP8Linear`` runs that signature's planned call
+    (``dispatch.LinearPlans``: the quantization's bound launch and ``torch._scaled_mm``, no dispatch): on new input
+    contents the bits of the whole path, counted on the layer's site."""
+    from quantpatch import fp8_linear
+    from quantpatch.fallback import SiteRecord
+
+    k = shape[-1]
+    fp8 = FP8Linear.from_linear(_linear(k, 1024, seed=k, bias=True, dtype=torch.bfloat16).cuda())
+    fp8.activation = activation
+    fp8.site = SiteRecord("layer", "linear", "fp8")
+    xs = [_randn(math.prod(shape[:-1]), k, seed=i).view(shape).to("cuda", torch.bfloat16) for i in range(3)]
+    with torch.no_grad():
+        general = []
+        for x in xs:
+            fp8.plans.clear()
+            general.append(fp8(x))
+        assert len(fp8.plans.entries) == 1
+
+        def whole_path(*args, **kwargs):
+            raise AssertionError("a planned call went through the dispatch")
+
+        monkeypatch.setattr(fp8_linear, "run_op", whole_path)
+        planned = [fp8(x) for x in xs]
+    assert all(torch.equal(a, b) for a, b in zip(planned, general)) and fp8.site.routes == {ROUTE_GPU: 6}
 
 
 @gpu
