@@ -229,9 +229,10 @@ def test_gpu_public_api_routes_long_calls(mode, causal, nq, nk, route):
 def test_gpu_later_calls_of_a_shape_relaunch_the_compiled_kernels(nk, monkeypatch):
     """A shape's first call goes through ``JITFunction.run``; later ones go to the compiled kernels' launchers
     (``compiled_launch.LaunchPlans``, no new plan) and give the bits a first call gives, for new inputs too. Each
-    first call starts from no signature's ``Sm90Prefill`` (whose bound launches outlive ``LaunchPlans.clear``, so
-    a signature an earlier test ran would make no plan)."""
+    first call starts from no planned call and no ``Sm90Prefill`` of any signature (their bound launches outlive
+    ``LaunchPlans.clear``, so a signature an earlier call ran would make no plan)."""
     import quantpatch as qp
+    from quantpatch import dispatch
     from quantpatch.kernels.attention import fast_paths
     from quantpatch.kernels.attention.fast_paths import PREFILL_PLANS as plans
     from quantpatch.kernels.attention.fast_paths import SM90_MIN_KEYS
@@ -244,6 +245,7 @@ def test_gpu_later_calls_of_a_shape_relaunch_the_compiled_kernels(nk, monkeypatc
         return qp.attention(*x, mode="sage2-8b", strict=True)
 
     def first_call(x):
+        monkeypatch.setattr(dispatch, "_PLANNED", {})
         monkeypatch.setattr(fast_paths, "_SM90_PREFILLS", {})
         for p in plans:
             p.clear()
