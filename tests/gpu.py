@@ -1,5 +1,5 @@
 """The one CUDA check of the test suite (GPU tests skip, saying why, where no CUDA device is present), and the
-CUDA-graph replay check GPU tests share."""
+CUDA-graph replay and planned-call checks GPU tests share."""
 
 import pytest
 import torch
@@ -33,3 +33,22 @@ def assert_graph_replays_follow_eager(call, static: list, fresh: list) -> None:
     assert torch.equal(captured, eager) and not torch.equal(eager, before)
     graph.replay()  # after an eager call on the same stream
     assert torch.equal(captured, eager)
+
+
+def assert_planned_calls_follow_the_whole_path(layer, inputs: list, module, monkeypatch) -> None:
+    """A quantized linear ``layer``'s planned calls (``dispatch.LinearPlans``) on ``inputs`` (one signature, new
+    contents each) give bit for bit what its whole path gives each of them (its plans cleared before each), and
+    never reach ``module.run_op`` (the dispatch the plan skips)."""
+    with torch.no_grad():
+        whole = []
+        for x in inputs:
+            layer.plans.clear()
+            whole.append(layer(x))
+        assert len(layer.plans.entries) == 1
+
+        def dispatch(*args, **kwargs):
+            raise AssertionError("a planned call went through the dispatch")
+
+        monkeypatch.setattr(module, "run_op", dispatch)
+        planned = [layer(x) for x in inputs]
+    assert all(torch.equal(a, b) for a, b in zip(planned, whole))

@@ -12,7 +12,7 @@ import torch
 from quantpatch.kernels.compiled_launch import stream_key
 from quantpatch.kernels.w4a8 import w4a8_scratch
 from quantpatch.kernels.w4a8.w4a8_ref import w4a8_linear_ref
-from tests.gpu import hopper, needs_cuda
+from tests.gpu import assert_planned_calls_follow_the_whole_path, hopper, needs_cuda
 from tests.kernels.test_w4a8_triton import _assert_within_bound, _error_bound, _layer, _randn
 
 
@@ -163,21 +163,10 @@ def test_gpu_planned_module_calls_give_the_general_paths_bits(shape, monkeypatch
         lin.weight.copy_(_randn(1024, k, seed=62, scale=0.02))
     mod = W4A8Linear.from_linear(lin).cuda()
     xs = [_randn(*shape, seed=63 + i).to(torch.bfloat16).cuda() for i in range(3)]
-    with torch.no_grad():
-        general = []
-        for x in xs:
-            mod.plans.clear()
-            general.append(mod(x))
-        assert len(mod.plans.entries) == 1
-
-        def whole_path(*args, **kwargs):
-            raise AssertionError("a planned call went through the dispatch")
-
-        monkeypatch.setattr(w4a8_linear, "run_op", whole_path)
-        site = SiteRecord("layer", "linear", "w4a8")
-        with running_site(site):
-            planned = [mod(x) for x in xs]
-    assert all(torch.equal(a, b) for a, b in zip(planned, general)) and site.routes == {"gluon": 3}
+    site = SiteRecord("layer", "linear", "w4a8")
+    with running_site(site):
+        assert_planned_calls_follow_the_whole_path(mod, xs, w4a8_linear, monkeypatch)
+    assert site.routes == {"gluon": 6}
 
 
 @pytest.mark.gpu

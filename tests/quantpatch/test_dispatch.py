@@ -312,7 +312,7 @@ def test_a_linear_layer_runs_its_planned_call_from_the_second_call_of_a_signatur
     """``FP8Linear`` and ``W4A8Linear`` keep, per input signature, the chosen implementation's plan
     (``dispatch.LinearPlans``): that signature's later calls run the plan alone, counted on the layer's site. Another
     signature, a gradient to record, an attribute set, a cast and a new registration take the whole path again; a
-    plan is not kept where an implementation declined the call loudly; a copy of the layer starts with none."""
+    plan is made only where no implementation declined the call loudly; a copy of the layer starts with none."""
     import copy
 
     events = []

@@ -28,7 +28,7 @@ from quantpatch.fp8_linear import (
 from quantpatch.kernels.fp8_linear.fp8_linear_ref import fp8_linear_ref, quantize_rows_fp8_ref
 from quantpatch.metrics import cos_sim, rel_l1
 from quantpatch.modes import MODES
-from tests.gpu import needs_cuda
+from tests.gpu import assert_planned_calls_follow_the_whole_path, needs_cuda
 from tests.patches.conftest import no_leaks, tiny_model  # noqa: F401  (no_leaks: a fixture, used by name)
 from tests.tolerances import FP8_LINEAR_RANDN_COS_FLOOR, FP8_LINEAR_RANDN_REL_L1_CEIL
 
@@ -594,19 +594,8 @@ def test_gpu_planned_calls_give_the_general_paths_bits(shape, activation, monkey
     fp8.activation = activation
     fp8.site = SiteRecord("layer", "linear", "fp8")
     xs = [_randn(math.prod(shape[:-1]), k, seed=i).view(shape).to("cuda", torch.bfloat16) for i in range(3)]
-    with torch.no_grad():
-        general = []
-        for x in xs:
-            fp8.plans.clear()
-            general.append(fp8(x))
-        assert len(fp8.plans.entries) == 1
-
-        def whole_path(*args, **kwargs):
-            raise AssertionError("a planned call went through the dispatch")
-
-        monkeypatch.setattr(fp8_linear, "run_op", whole_path)
-        planned = [fp8(x) for x in xs]
-    assert all(torch.equal(a, b) for a, b in zip(planned, general)) and fp8.site.routes == {ROUTE_GPU: 6}
+    assert_planned_calls_follow_the_whole_path(fp8, xs, fp8_linear, monkeypatch)
+    assert fp8.site.routes == {ROUTE_GPU: 6}
 
 
 @gpu
