@@ -309,16 +309,19 @@ class LinearPlans:
     def clear(self) -> None:
         self.entries.clear()
 
+    def _drop_stale(self) -> None:
+        """Drop the plans if a registration was made since they were (its implementation may now be chosen)."""
+        if self.registrations != _registrations:
+            self.entries.clear()
+            self.registrations = _registrations
+
     def run(self, layer: torch.nn.Module, x: torch.Tensor, record: SiteRecord | None) -> torch.Tensor | None:
         """``layer``'s output on ``x`` by the planned call of ``x``'s signature, counted on ``record``; None where
         there is none, or where a planned call may not serve ``x``: a gradient to record, a ``torch.compile``
         trace, another CUDA device current."""
         if not (self.entries and self.may_serve(x)):
             return None
-        if self.registrations != _registrations:
-            self.entries.clear()
-            self.registrations = _registrations
-            return None
+        self._drop_stale()
         entry = self.entries.get(linear_signature(x))
         if entry is None or (x.is_cuda and x.device.index != torch.cuda.current_device()):
             return None
@@ -330,15 +333,15 @@ class LinearPlans:
 
     @staticmethod
     def may_serve(x: torch.Tensor) -> bool:
-        """Whether a planned call may serve ``x``: no gradient to record, no ``torch.compile`` trace."""
-        return not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling()
+        """Whether a planned call may serve ``x``: a plain tensor (no subclass), no gradient to record, no
+        ``torch.compile`` trace."""
+        return (type(x) is torch.Tensor and not (x.requires_grad and torch.is_grad_enabled())
+                and not torch.compiler.is_compiling())
 
     def keep(self, x: torch.Tensor, route: str, plan: Callable) -> None:
         """Keep ``plan``, a function ``(layer, x) -> y``, as the route ``route`` of ``x``'s signature (for an ``x``
         that :meth:`may_serve`)."""
-        if self.registrations != _registrations:
-            self.entries.clear()
-            self.registrations = _registrations
+        self._drop_stale()
         if len(self.entries) >= PLANNED_SIGNATURES:
             self.entries.clear()
         self.entries[linear_signature(x)] = (route, plan)

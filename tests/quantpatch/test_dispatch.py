@@ -311,8 +311,9 @@ def test_a_call_with_a_gradient_to_record_takes_the_reference_not_a_kernel(regis
 def test_a_linear_layer_runs_its_planned_call_from_the_second_call_of_a_signature(registry, layer_class):
     """``FP8Linear`` and ``W4A8Linear`` keep, per input signature, the chosen implementation's plan
     (``dispatch.LinearPlans``): that signature's later calls run the plan alone, counted on the layer's site. Another
-    signature, a gradient to record, an attribute set, a cast and a new registration take the whole path again; a
-    plan is made only where no implementation declined the call loudly; a copy of the layer starts with none."""
+    signature, a tensor subclass, a gradient to record, an attribute set, a cast and a new registration take the
+    whole path again; a plan is made only where no implementation declined the call loudly; a copy of the layer
+    starts with none."""
     import copy
 
     events = []
@@ -343,7 +344,8 @@ def test_a_linear_layer_runs_its_planned_call_from_the_second_call_of_a_signatur
         layer(x.requires_grad_())  # the reference records the gradient
     with torch.no_grad():
         layer(x)
-    assert events == ["run", "plan"]
+        layer(torch.nn.Parameter(x.detach(), requires_grad=False))  # a tensor subclass: the whole path
+    assert events == ["run", "plan", "run"]
     for change in (lambda: setattr(layer, "what", layer.what), lambda: layer.to(torch.float64),
                    lambda: dispatch.register(op, key, Implementation("stub", 100, lambda call: None, run, plan))):
         change()
