@@ -14,6 +14,7 @@ import logging
 import torch
 
 logger = logging.getLogger("quantpatch")
+gate_closures = 0  # how many times a GluonGate closed in this process: planned calls made before one are dropped
 
 
 def cuda_unsupported(t: torch.Tensor, min_capability: tuple[int, int], needs: str) -> str | None:
@@ -66,6 +67,8 @@ class GluonGate:
         """The Gluon kernel failed to compile on ``device``: from now on ``serves`` runs there (one warning)."""
         import triton
 
+        global gate_closures
+        gate_closures += 1
         self.reasons[device] = f"the Gluon kernel does not compile with Triton {triton.__version__}"
         logger.warning("%s on %s: %s (%s); %s serves", self.kernel, device, self.reasons[device], str(error)[:300],
                        self.serves)

@@ -163,7 +163,7 @@ def quantize_rows_fp8(x: torch.Tensor, activation: str | None = None) -> tuple[t
         raise TypeError(f"x has dtype {x.dtype}; the kernel takes float16, bfloat16 or float32")
     m, k = x.shape
     if m and k:
-        return RowQuantizer(x, activation)(x)
+        return RowQuantizer(x, activation).launch(x)
     q = torch.empty((m, k), device=x.device, dtype=torch.float8_e4m3fn)
     return q, torch.ones((m, 1), device=x.device, dtype=torch.float32)  # no channels: absmax 0, scale 1
 
@@ -184,19 +184,28 @@ class RowQuantizer:
         self.plan_key = (x.shape, x.stride(0), x.dtype, x.data_ptr() % 16 == 0)
         self.bound = None
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q float8_e4m3fn (M, K)`` and ``s float32 (M, 1)`` of ``x``, launched on the current stream."""
+    def _outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         device = x.device
-        q = torch.empty(self.shape, device=device, dtype=torch.float8_e4m3fn)
-        scale = torch.empty((self.shape[0], 1), device=device, dtype=torch.float32)
-        args = (x, q, scale) + self.ints
-        if self.bound is not None:
-            self.bound(current_stream(device.index), args)
+        return (torch.empty(self.shape, device=device, dtype=torch.float8_e4m3fn),
+                torch.empty((self.shape[0], 1), device=device, dtype=torch.float32))
+
+    def launch(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q float8_e4m3fn (M, K)`` and ``s float32 (M, 1)`` of ``x``, launched on the current stream through the
+        launch plans (the signature's first launch makes its plan)."""
+        q, scale = self._outputs(x)
+        _LAUNCH(self.grid, (x, q, scale) + self.ints, self.constexprs, plan_key=self.plan_key, **self.options)
+        return q, scale
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`launch`, by the bound plan from the second call on (on CUDA)."""
+        if self.bound is None:
+            q, scale = self.launch(x)
+            if x.is_cuda:
+                self.bound = _LAUNCH.bound(self.grid, self.constexprs, plan_key=self.plan_key, device=x.device.index,
+                                           **self.options)
             return q, scale
-        _LAUNCH(self.grid, args, self.constexprs, plan_key=self.plan_key, **self.options)
-        if x.is_cuda:
-            self.bound = _LAUNCH.bound(self.grid, self.constexprs, plan_key=self.plan_key, device=device.index,
-                                       **self.options)
+        q, scale = self._outputs(x)
+        self.bound(current_stream(x.device.index), (x, q, scale) + self.ints)
         return q, scale
 
 

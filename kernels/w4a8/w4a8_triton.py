@@ -403,9 +403,7 @@ def w4a8_linear_2d(
     gate = _gluon_gate(m, n, k)  # (:func:`uses_gluon`, the table looked up once)
     if config is None and gate.unsupported(x.device) is None:
         try:
-            if gate is GLUON:
-                return _gluon.w4a8_linear_gluon(x, qweight, scales, pts_exp, bias)
-            return _prefill.w4a8_linear_prefill_gluon(x, qweight, scales, pts_exp, bias)
+            return _gluon_linear(gate)(x, qweight, scales, pts_exp, bias)
         except triton.CompilationError as err:  # a Triton whose Gluon API differs: warn once, Triton serves
             gate.close(x.device, err)
     check_gemm_operands(m, k, qweight, scales)
@@ -468,14 +466,17 @@ def _gluon_gate(m: int, n: int, k: int) -> GluonGate:
     return GLUON if gemm_config(m, n, k)["kernel"] == "decode" else PREFILL_GLUON
 
 
+def _gluon_linear(gate: GluonGate) -> Callable[..., torch.Tensor]:
+    """The Gluon wrapper behind ``gate`` (:func:`_gluon_gate`): the decode kernel's or the prefill kernel's."""
+    return _gluon.w4a8_linear_gluon if gate is GLUON else _prefill.w4a8_linear_prefill_gluon
+
+
 def linear_2d_of(m: int, n: int, k: int, device: torch.device) -> Callable[..., torch.Tensor]:
     """The function :func:`w4a8_linear_2d` hands ``M × K → N`` to on ``device`` where :func:`uses_gluon` (the Gluon
     decode or prefill wrapper; same arguments), else :func:`w4a8_linear_2d` itself: what a planned call of that
     shape runs."""
     gate = _gluon_gate(m, n, k)
-    if gate.unsupported(device) is not None:
-        return w4a8_linear_2d
-    return _gluon.w4a8_linear_gluon if gate is GLUON else _prefill.w4a8_linear_prefill_gluon
+    return w4a8_linear_2d if gate.unsupported(device) is not None else _gluon_linear(gate)
 
 
 def uses_gluon(m: int, n: int, k: int, device: torch.device) -> bool:

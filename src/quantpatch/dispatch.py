@@ -29,6 +29,7 @@ import torch
 from quantpatch import routing
 from quantpatch.config import NUMERICS, AttentionConfig
 from quantpatch.fallback import SiteRecord, fall_back, logger
+from quantpatch.kernels import device as kernel_devices
 
 REFERENCE_HEAD_DIMS = (32, 256)  # the range every mode supports; others fall back to SDPA
 REFERENCE = "reference"  # the name of every op's pure-PyTorch implementation
@@ -292,13 +293,14 @@ class LinearPlans:
     route its calls take and a function ``(layer, x) -> y`` that runs it with no checks (``Implementation.plan``, or
     the layer's own route by policy). A later call of the signature runs that function and is counted on the
     layer's site: no dispatch, no checks. The layer clears them whenever it may change (an attribute set, ``.to()``
-    or a cast); a registration made since drops them all; copies of the layer start with none."""
+    or a cast); a registration or a closed Gluon gate (``kernels.device.GluonGate.close``) since drops them all;
+    copies of the layer start with none."""
 
-    __slots__ = ("entries", "registrations")
+    __slots__ = ("entries", "registrations", "gate_closures")
 
     def __init__(self) -> None:
         self.entries: dict[tuple, tuple[str, Callable]] = {}
-        self.registrations = _registrations
+        self.registrations, self.gate_closures = _registrations, kernel_devices.gate_closures
 
     def __deepcopy__(self, memo: dict) -> LinearPlans:
         return LinearPlans()
@@ -310,15 +312,16 @@ class LinearPlans:
         self.entries.clear()
 
     def _drop_stale(self) -> None:
-        """Drop the plans if a registration was made since they were (its implementation may now be chosen)."""
-        if self.registrations != _registrations:
+        """Drop the plans if a registration was made or a Gluon gate closed since they were (another implementation
+        or kernel may now serve their calls)."""
+        if self.registrations != _registrations or self.gate_closures != kernel_devices.gate_closures:
             self.entries.clear()
-            self.registrations = _registrations
+            self.registrations, self.gate_closures = _registrations, kernel_devices.gate_closures
 
     def run(self, layer: torch.nn.Module, x: torch.Tensor, record: SiteRecord | None) -> torch.Tensor | None:
         """``layer``'s output on ``x`` by the planned call of ``x``'s signature, counted on ``record``; None where
-        there is none, or where a planned call may not serve ``x``: a gradient to record, a ``torch.compile``
-        trace, another CUDA device current."""
+        there is none, or where a planned call may not serve ``x`` (:meth:`may_serve`; another CUDA device
+        current)."""
         if not (self.entries and self.may_serve(x)):
             return None
         self._drop_stale()

@@ -375,15 +375,16 @@ def test_module_sends_up_to_16_tokens_to_the_gluon_kernel_where_it_serves(kernel
 def test_module_sends_more_than_16_tokens_to_the_gluon_prefill_kernel_where_it_serves(kernels_on_this_device,
                                                                                        monkeypatch, caplog):
     """Above 16 tokens, ``w4a8_prefill_gluon.w4a8_linear_prefill_gluon`` (recorded as "gluon") where its gate
-    opens; one that does not compile closes the gate with one warning and the Triton tiled kernel serves (the
-    launcher is replaced here: Gluon has no interpreter)."""
+    opens; a shape whose kernel does not compile closes the gate with one warning and the Triton tiled kernel serves
+    it and every later call, the shapes planned before included (the launcher is replaced here: Gluon has no
+    interpreter)."""
     import triton
 
     calls = []
 
     def prefill_layer(x, qweight, scales, pts_exp, bias):
         calls.append(tuple(x.shape))
-        if len(calls) > 1:
+        if x.shape[0] != 300:
             raise triton.CompilationError("def kernel(): ...", None, "no attribute 'async_load'")
         return wt.w4a8_linear_2d(x, qweight, scales, pts_exp, bias, config=wt.gemm_config(300, 67, 256))
 
@@ -391,15 +392,15 @@ def test_module_sends_more_than_16_tokens_to_the_gluon_prefill_kernel_where_it_s
     monkeypatch.setattr(wt, "_prefill", SimpleNamespace(w4a8_linear_prefill_gluon=prefill_layer))
     assert wt.uses_gluon(17, 67, 256, torch.device(DEVICE)) and wt.uses_gluon(4096, 67, 256, torch.device(DEVICE))
     mod = _module(256, 67, seed=74)
-    x = _randn(3, 100, 256, seed=75).to(torch.bfloat16).to(DEVICE)
-    want = wt.w4a8_linear_2d(x.reshape(-1, 256), mod.qweight, mod.scales, mod.pts_exp, mod.bias,
-                             config=wt.gemm_config(300, 67, 256))
-    for impl in ("gluon", "triton", "triton"):
+    xs = [_randn(3, tokens, 256, seed=75).to(torch.bfloat16).to(DEVICE) for tokens in (100, 101)]
+    wants = [wt.w4a8_linear_2d(x.reshape(-1, 256), mod.qweight, mod.scales, mod.pts_exp, mod.bias,
+                               config=wt.gemm_config(x.numel() // 256, 67, 256)) for x in xs]
+    for i, impl in ((0, "gluon"), (0, "gluon"), (1, "triton"), (0, "triton"), (1, "triton")):
         site = SiteRecord("layer", "linear", "w4a8")
         with caplog.at_level(logging.WARNING, logger="quantpatch"), running_site(site):
-            y = mod(x)
-        assert site.implementations == {impl} and torch.equal(y.reshape(-1, 67), want)
-    assert calls == [(300, 256), (300, 256)]
+            y = mod(xs[i])
+        assert site.implementations == {impl} and torch.equal(y.reshape(-1, 67), wants[i])
+    assert calls == [(300, 256), (300, 256), (303, 256)]
     assert len([r for r in caplog.records if "W4A8 prefill" in r.getMessage()]) == 1
 
 
