@@ -77,10 +77,9 @@ def _register_kernels(kernels: ModuleType) -> None:
         rows = x.reshape(-1, k)
         if rows.stride(-1) != 1 or rows.data_ptr() != x.data_ptr():
             return None
-        m = rows.shape[0]
-        gluon = kernels.uses_gluon(m, n, k, x.device)  # as run() asks it: after the call that compiled the kernel
-        linear_2d, name, out_shape = kernels.linear_2d_of(m, n, k, x.device), "gluon" if gluon else "triton", \
-            (*x.shape[:-1], n)
+        m, out_shape = rows.shape[0], (*x.shape[:-1], n)
+        linear_2d = kernels.linear_2d_of(m, n, k, x.device)  # asked after the call that compiled the kernel, as run()
+        name = "triton" if linear_2d is kernels.w4a8_linear_2d else "gluon"
 
         def planned(layer: W4A8Linear, x: torch.Tensor) -> torch.Tensor:
             buffers = layer._buffers
