@@ -320,10 +320,9 @@ def test_a_linear_layer_runs_its_planned_call_from_the_second_call_of_a_signatur
     linear = torch.nn.Linear(128, 16)
     if layer_class == "fp8":
         op, key, layer = "fp8_linear", "fp8", FP8Linear.from_linear(linear)
+        layer.site = SiteRecord("layer", "linear", key)  # W4A8Linear counts on the running site
     else:
         op, key, layer = "w4a8_linear", "w4a8_fp8", W4A8Linear.from_linear(linear)
-    if layer_class == "fp8":  # W4A8Linear counts on the running site
-        layer.site = SiteRecord("layer", "linear", key)
 
     def run(call):
         events.append("run")
