@@ -228,11 +228,12 @@ def _with_ratios(shape_rows: list[dict]) -> list[dict]:
     """Each row of one (K, N, M) with ``vs_<baseline>`` (the baseline's time in the same mode / the row's), printed."""
     base = {(r["impl"], r["mode"]): r["ms"] for r in shape_rows if r["impl"] in (*BASELINES, GELU_BASELINE)}
     for r in shape_rows:
-        gelu_row = "gelu" in r["impl"]
+        gelu_row = "gelu" in r["impl"]  # compared with bf16 + gelu only
         for b in BASELINES:
-            b_ms = base.get((GELU_BASELINE if gelu_row and b == "bf16" else b, r["mode"]))
-            if gelu_row and b != "bf16":
-                b_ms = None
+            if gelu_row:
+                b_ms = base.get((GELU_BASELINE, r["mode"])) if b == "bf16" else None
+            else:
+                b_ms = base.get((b, r["mode"]))
             r[f"vs_{b}"] = b_ms / r["ms"] if b_ms is not None and r["impl"] != "w4a8 quant" else ""
         print(f"K={r['k']:5d} N={r['n']:5d} M={r['m']:4d} {r['impl']:>11s} {r['mode']:>6s} {r['ms']:8.4f} ms "
               f"{r['tflops']:7.1f} TFLOPS  " + "  ".join(f"x{r[f'vs_{b}'] or 0:5.2f} {b}" for b in BASELINES),

@@ -282,6 +282,13 @@ def run_op(op: str, key: str, call: Any, *, what: str, record: SiteRecord | None
     return out
 
 
+def rows_view(x: torch.Tensor, k: int) -> torch.Tensor | None:
+    """``x (..., K)`` as ``(M, K)`` rows with a contiguous last dim, a view of ``x`` (no copy), or None where there is
+    none: what a linear op's plan reads (``x.view(-1, K)`` then works for every input of ``x``'s signature)."""
+    rows = x.reshape(-1, k)
+    return rows if rows.stride(-1) == 1 and rows.data_ptr() == x.data_ptr() else None
+
+
 def linear_signature(x: torch.Tensor) -> tuple:
     """What a linear layer's call is decided by, besides the layer: ``x``'s shape, strides, dtype, device and 16-byte
     alignment."""

@@ -45,6 +45,7 @@ from quantpatch.dispatch import (
     Quiet,
     check_in_features,
     register,
+    rows_view,
     run_op,
 )
 from quantpatch.fallback import ORIGINAL_LINEAR_ROUTE, SiteRecord
@@ -187,14 +188,14 @@ def _gpu_run(call: LinearCall) -> torch.Tensor:
 def _gpu_plan(call: LinearCall) -> Callable[[FP8Linear, torch.Tensor], torch.Tensor] | None:
     """:func:`_gpu_run` for every input of ``call.x``'s signature (a planned call, ``dispatch.LinearPlans``): the
     quantization launch bound once (``RowQuantizer``), then ``torch._scaled_mm`` on the layer's buffers (the
-    transposed weight and the scale row made again only where a buffer was replaced); None where the rows are not a
-    view of ``x`` with a contiguous last dim."""
+    transposed weight and the scale row made again only where a buffer was replaced); None where ``x`` has no
+    :func:`~quantpatch.dispatch.rows_view` (an empty input never gets here: :func:`_gpu_unsupported` declines it)."""
     from quantpatch.kernels.fp8_linear.fp8_quant_triton import RowQuantizer
 
     x, layer = call.x, call.layer
     k, n = layer.in_features, layer.out_features
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1 or rows.data_ptr() != x.data_ptr() or not rows.numel():
+    rows = rows_view(x, k)
+    if rows is None:
         return None
     quantize = RowQuantizer(rows, layer.activation)
     out_shape, out_dtype, fast_accum = (*x.shape[:-1], n), x.dtype, layer.fast_accum

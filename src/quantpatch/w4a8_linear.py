@@ -30,6 +30,7 @@ from quantpatch.dispatch import (
     check_in_features,
     on_kernels_import,
     register,
+    rows_view,
     run_op,
 )
 from quantpatch.fallback import note_implementation
@@ -71,11 +72,11 @@ def _register_kernels(kernels: ModuleType) -> None:
     def plan(call: LinearCall):
         """:func:`run` for every input of ``call.x``'s signature (``dispatch.LinearPlans``): the kernel
         :func:`~quantpatch.kernels.w4a8.w4a8_triton.w4a8_linear_2d` picks for its shape called directly; None where
-        the rows are not a view of ``x`` with a contiguous last dim."""
+        ``x`` has no :func:`~quantpatch.dispatch.rows_view`."""
         x, layer = call.x, call.layer
         k, n = layer.in_features, layer.out_features
-        rows = x.reshape(-1, k)
-        if rows.stride(-1) != 1 or rows.data_ptr() != x.data_ptr():
+        rows = rows_view(x, k)
+        if rows is None:
             return None
         m, out_shape = rows.shape[0], (*x.shape[:-1], n)
         linear_2d = kernels.linear_2d_of(m, n, k, x.device)  # asked after the call that compiled the kernel, as run()

@@ -383,3 +383,13 @@ def test_fp8_linear_plans_its_original_route_under_the_speed_policy():
     assert all(torch.equal(o, linear(torch.nn.functional.gelu(x, approximate="tanh"))) for o in gelu)
     route = ORIGINAL_LINEAR_ROUTE + "the FP8 path off CUDA is the PyTorch reference"
     assert layer.site.routes == {route: 5}
+
+
+def test_rows_view_is_a_view_with_a_contiguous_last_dim_or_none():
+    """A linear op's plan reads ``x`` as ``(M, K)`` rows it views without a copy: none where the last dim is strided
+    or the rows would be a copy."""
+    x = torch.randn(2, 3, 8)
+    rows = dispatch.rows_view(x, 8)
+    assert rows.shape == (6, 8) and rows.data_ptr() == x.data_ptr() and rows.stride() == (8, 1)
+    assert dispatch.rows_view(x.transpose(1, 2).contiguous().transpose(1, 2), 8) is None  # last dim strided
+    assert dispatch.rows_view(x.transpose(0, 1), 8) is None  # (3, 2, 8) rows of two batches: a copy
