@@ -207,6 +207,8 @@ ROWS = [
         dict(grid=(64, 64), text=512), dict(grid=(6, 6), text=7)),
     Row("ltx-video", "ltx-video", "step", "704x480, 161 frames: 6,930 tokens + 128 text, one step",
         dict(latent=(21, 15, 22), text=128), dict(latent=(3, 4, 4), text=7)),
+    Row("llama3-8b-prefill-2k-b1", "llama-3-8b", "prefill", "prefill B=1 x 2,048 tokens (a chat prompt)",
+        dict(batch=1, seq=2048), dict(batch=1, seq=64)),
     Row("llama3-8b-prefill-8k-b1", "llama-3-8b", "prefill", "prefill B=1 x 8,192 tokens",
         dict(batch=1, seq=8192), dict(batch=1, seq=64)),
     Row("llama3-8b-prefill-8k-b8", "llama-3-8b", "prefill", "prefill B=8 x 8,192 tokens",

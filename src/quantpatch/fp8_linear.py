@@ -24,8 +24,9 @@
 ``patch_model`` gives each layer the ``nn.Linear`` it replaced (``original``; the model's later ``.to()`` and casts
 reach it, so ``remove()`` restores it where the model then is). Under the default ``policy="speed"`` the layer calls
 it where FP8 cannot be faster (:func:`original_reason`): on the CPU, where the FP8 path is the reference, and below
-``FP8_MIN_TOKENS`` tokens on a GPU, where the quantization launch and the small FP8 GEMM cost more than the bf16
-GEMM saves (decode). ``policy="always"`` runs FP8 for every call.
+``FP8_MIN_TOKENS`` tokens on a GPU (``FP8_MIN_TOKENS_WIDE`` for layers of at least ``FP8_WIDE_OUT`` outputs), where
+the activation pass and the small FP8 GEMM cost more than the bf16 GEMM saves (decode, short prompts).
+``policy="always"`` runs FP8 for every call.
 
 The route taken is counted per call on the layer's report site (``handle.report()``).
 """
@@ -57,11 +58,17 @@ SCALED_MM_MULTIPLE = 16
 ROUTE_GPU, ROUTE_REFERENCE = "scaled_mm", REFERENCE  # the implementations' names, as the report counts them
 OP, KEY = "fp8_linear", "fp8"  # the op of quantpatch.dispatch and its key (LinearConfig.kind)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Below this many tokens (rows of x) a GPU call runs the original bf16 weights under policy="speed". On an H200
-# (eval/bench_linear.py, eager, Llama-3-8B and Wan2.1-1.3B projection shapes) an FP8 call (quantization launch +
-# _scaled_mm) ran 0.1-0.9x bf16 F.linear from 16 to 2048 tokens wherever the host time of its two launches was not
-# hidden behind the GEMM (K = N = 1536 throughout), and 1.29-1.60x at 4096 tokens on the Llama shapes.
+# Below this many tokens (rows of x) a GPU call runs the original bf16 weights under policy="speed": FP8_MIN_TOKENS,
+# or FP8_MIN_TOKENS_WIDE for layers of at least FP8_WIDE_OUT output features. The activation pass costs M·K, the GEMM
+# saves in proportion to M·K·N: a wide layer pays it back at fewer tokens. On an H200 (eval/bench_linear.py, eager,
+# planned calls), an FP8 call ran 1.27-1.55x bf16 F.linear at 1024 tokens on the three Llama-3-8B shapes and 1.18x
+# at 1536 -> 8960, but 0.86-0.95x on 1536 -> 1536 and 8960 -> 1536 (1.00-1.20x from 2048 / 4096 tokens on the
+# latter), and 0.81-1.27x at 256 tokens. In a model an FP8 call's host time (about 20 us above F.linear's) adds up:
+# Llama-3-8B's 2048-token prefill ran 1.15x unpatched with its wide layers FP8, its host time then level with its GPU
+# time (eval/bench_models.py); fewer tokens would leave the model waiting on the host.
 FP8_MIN_TOKENS = 4096
+FP8_MIN_TOKENS_WIDE = 2048
+FP8_WIDE_OUT = 4096
 _REASONS: dict[tuple[torch.device, torch.dtype, bool], str | None] = {}
 _QUANTIZER: list[Callable] = []  # the Triton activation quantizer once imported (Triton loads only for the GPU path)
 
@@ -223,12 +230,14 @@ register(OP, KEY, Implementation(ROUTE_GPU, 10, _gpu_unsupported, _gpu_run, _gpu
 register(OP, KEY, Implementation(ROUTE_REFERENCE, 0, lambda call: None, _reference))
 
 
-def original_reason(tokens: int, is_cuda: bool) -> str | None:
-    """Why a call of ``tokens`` rows runs the original ``nn.Linear`` under ``policy="speed"``; None: FP8 runs."""
+def original_reason(tokens: int, out_features: int, is_cuda: bool) -> str | None:
+    """Why a call of ``tokens`` rows of a layer with ``out_features`` outputs runs the original ``nn.Linear`` under
+    ``policy="speed"``; None: FP8 runs."""
     if not is_cuda:
         return "the FP8 path off CUDA is the PyTorch reference"
-    if tokens < FP8_MIN_TOKENS:
-        return f"fewer than {FP8_MIN_TOKENS} tokens"
+    least = FP8_MIN_TOKENS_WIDE if out_features >= FP8_WIDE_OUT else FP8_MIN_TOKENS
+    if tokens < least:
+        return f"fewer than {least} tokens"
     return None
 
 
@@ -302,7 +311,7 @@ class FP8Linear(PlannedLinear):
             return y
         check_in_features(x, self)
         if self.speed_policy and self.original[0].weight.device == x.device:
-            why = original_reason(x.numel() // self.in_features, x.is_cuda)
+            why = original_reason(x.numel() // self.in_features, self.out_features, x.is_cuda)
             if why is not None:
                 route = ORIGINAL_LINEAR_ROUTE + why
                 if self.site is not None:

@@ -19,6 +19,8 @@ from quantpatch.config import CONFIG_VERSION, LinearConfig, ModeConfig
 from quantpatch.fallback import ORIGINAL_LINEAR_ROUTE, UnsupportedError, reset_fallback_warnings
 from quantpatch.fp8_linear import (
     FP8_MIN_TOKENS,
+    FP8_MIN_TOKENS_WIDE,
+    FP8_WIDE_OUT,
     ROUTE_GPU,
     ROUTE_REFERENCE,
     FP8Linear,
@@ -244,7 +246,8 @@ def test_llama_block_linears_swapped_and_restored_bitwise():
 @pytest.mark.usefixtures("no_leaks")
 def test_speed_policy_calls_the_original_linear_where_fp8_cannot_be_faster():
     """On the CPU (the FP8 path is the reference there) every call runs the original layer, bitwise, and the report
-    counts the route with why; on a GPU, calls below FP8_MIN_TOKENS tokens do."""
+    counts the route with why; on a GPU, calls below FP8_MIN_TOKENS tokens do, or below FP8_MIN_TOKENS_WIDE for
+    layers of at least FP8_WIDE_OUT outputs (their GEMM saves more per activation quantized)."""
     model = tiny_model("llama")
     ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -255,8 +258,12 @@ def test_speed_policy_calls_the_original_linear_where_fp8_cannot_be_faster():
         route = ORIGINAL_LINEAR_ROUTE + "the FP8 path off CUDA is the PyTorch reference"
         assert all(s.routes == {route: 1} and not s.implementations for s in _linear_sites(handle).values())
         assert handle.report().count(f"1 calls: {route}") == len(LLAMA_BLOCK_LINEARS), handle.report()
-    assert original_reason(FP8_MIN_TOKENS - 1, is_cuda=True) == f"fewer than {FP8_MIN_TOKENS} tokens"
-    assert original_reason(FP8_MIN_TOKENS, is_cuda=True) is None
+    narrow, wide = FP8_WIDE_OUT - 1, FP8_WIDE_OUT
+    assert original_reason(FP8_MIN_TOKENS - 1, narrow, is_cuda=True) == f"fewer than {FP8_MIN_TOKENS} tokens"
+    assert original_reason(FP8_MIN_TOKENS, narrow, is_cuda=True) is None
+    assert original_reason(FP8_MIN_TOKENS_WIDE - 1, wide, is_cuda=True) == f"fewer than {FP8_MIN_TOKENS_WIDE} tokens"
+    assert original_reason(FP8_MIN_TOKENS_WIDE, wide, is_cuda=True) is None
+    assert original_reason(FP8_MIN_TOKENS_WIDE, narrow, is_cuda=True) is not None
 
 
 @pytest.mark.usefixtures("no_leaks")
