@@ -9,6 +9,10 @@ Rows (µs per call, median of repeats of ``--calls`` back-to-back calls, then on
 * ``sdpa-short`` / ``attention-short`` (GPU only): ``F.scaled_dot_product_attention`` and
   ``quantpatch.attention(..., policy="always", strict=True)`` back to back at a launch-bound shape of the kernel
   route (B=1, 2 heads, 1024 tokens, D = 128): the public call's host time once its signature is planned;
+* ``sm90-quantization-launches`` / ``sm90-attention-launch`` / ``sm90-planned-call`` (sm_90 only): the parts of that
+  call's sm90 route (``fast_paths.Sm90Prefill``) from its second call on: the bound quantization launches alone, the
+  bound attention launch alone, and the planned call (both, the outputs' allocations and the scratch lookup); no
+  baseline (components);
 * ``sdpa-long`` / ``patched-kernel`` (GPU only): one call of ``F.scaled_dot_product_attention`` and of
   ``quantpatch.attention(..., policy="always", strict=True)`` at a shape whose GPU work outlasts the host's
   (``--long-heads`` heads of ``--long-seq`` tokens, D = 128, Flux.1-dev's by default: the kernel route,
@@ -77,6 +81,32 @@ def short_kernel_rows(args, device: torch.device) -> list[dict]:
             for name, fn in calls.items()]
 
 
+def sm90_route_rows(args, device: torch.device) -> list[dict]:
+    """The sm90 route's parts at :func:`short_kernel_rows`' shape, each call timed in a loop (:func:`host_us`); none
+    where that call does not take the route (another GPU, the Gluon kernel unavailable)."""
+    from quantpatch.kernels.attention import fast_paths, qk_quant_triton
+
+    q, k, v = (torch.randn(1, args.short_heads, 1024, 128, device=device, dtype=torch.bfloat16) for _ in range(3))
+    prefill = fast_paths._sm90_prefill(q, k, v, quantpatch.get_mode(args.mode).attention, False, 128 ** -0.5)
+    if prefill is None:
+        return []
+    for _ in range(2):  # the first call makes the launch plans, the second runs them bound
+        prefill(q, k, v)
+    if prefill.attend is None:
+        return []
+    plan, attend = prefill.quantize, prefill.attend
+    scratch = qk_quant_triton.stats_scratch(device, *plan.scratch_size)
+    workspace, x = plan.carve(device)  # kept alive while the launches below read its addresses
+    o = torch.empty(attend.out_shape, device=device, dtype=q.dtype)
+    calls = {"sm90-quantization-launches": lambda: plan.launch(q, k, v, x, scratch),
+             "sm90-attention-launch": lambda: attend(x, o, prefill.lse, device=device.index),
+             "sm90-planned-call": lambda: prefill(q, k, v)}
+    rows = [dict(row=name, us=host_us(fn, device, args.calls, args.repeats), baseline=None)
+            for name, fn in calls.items()]
+    del workspace
+    return rows
+
+
 def kernel_route_rows(args, device: torch.device) -> list[dict]:
     """SDPA and the patched call's kernel route at a long shape, each call timed alone (:func:`host_once_us`)."""
     q, k, v = (torch.randn(1, args.long_heads, args.long_seq, 128, device=device, dtype=torch.bfloat16)
@@ -131,7 +161,9 @@ def linear_rows(args, device: torch.device) -> list[dict]:
 
 def with_overheads(rows: list[dict]) -> list[dict]:
     base = {r["row"]: r["us"] for r in rows}
-    return [dict(r, us=round(r["us"], 2), overhead_us=round(r["us"] - base[r["baseline"]], 2)) for r in rows]
+    return [dict(r, us=round(r["us"], 2),
+                 overhead_us=None if r["baseline"] is None else round(r["us"] - base[r["baseline"]], 2))
+            for r in rows]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -156,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     rows = attention_rows(args, device)
     if device.type == "cuda":
         rows += short_kernel_rows(args, device)
+        rows += sm90_route_rows(args, device)
         rows += kernel_route_rows(args, device)
         rows += linear_rows(args, device)
     rows = with_overheads(rows)
