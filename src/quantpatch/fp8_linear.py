@@ -63,9 +63,9 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # saves in proportion to M·K·N: a wide layer pays it back at fewer tokens. On an H200 (eval/bench_linear.py, eager,
 # planned calls), an FP8 call ran 1.27-1.55x bf16 F.linear at 1024 tokens on the three Llama-3-8B shapes and 1.18x
 # at 1536 -> 8960, but 0.86-0.95x on 1536 -> 1536 and 8960 -> 1536 (1.00-1.20x from 2048 / 4096 tokens on the
-# latter), and 0.81-1.27x at 256 tokens. In a model an FP8 call's host time (about 20 us above F.linear's) adds up:
-# Llama-3-8B's 2048-token prefill ran 1.15x unpatched with its wide layers FP8, its host time then level with its GPU
-# time (eval/bench_models.py); fewer tokens would leave the model waiting on the host.
+# latter), and 0.81-1.27x at 256 tokens. In a model every call's host time adds up (an FP8 call costs about 20 us
+# above F.linear's): Llama-3-8B's 2048-token prefill ran 1.15x unpatched with its wide layers FP8, the call returning
+# on the host about when its GPU work ended (eval/bench_models.py); fewer tokens were not measured in a model.
 FP8_MIN_TOKENS = 4096
 FP8_MIN_TOKENS_WIDE = 2048
 FP8_WIDE_OUT = 4096
