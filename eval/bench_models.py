@@ -44,7 +44,10 @@ Timing: a step or prefill is called ``--warmup`` times (the first call's output 
 (``host ms``: where it comes close to ``ms``, the GPU waited on the host's launches). A decode row runs
 ``--warmup`` untimed ``generate()`` calls, then one timed ``generate()`` of ``--decode-tokens`` tokens; a logits
 processor marks each step with a CUDA event and forces the next token; ms/token is the median interval between
-steps (the prefill is not in it). ``--rounds R`` times every column of a row R times, the columns in turn
+steps (the prefill is not in it). ``--profile`` (GPU) runs each column once more under ``torch.profiler`` and
+reports ``GPU busy ms`` (first round): the GPU's own time (its kernels and copies) a call, or a decode step (a
+``generate()`` of ``--decode-tokens`` tokens less one of a single token, over the steps between): well below ``ms``,
+the column waits on the host. ``--rounds R`` times every column of a row R times, the columns in turn
 (forward, then backward, ...), and reports each column's median over the rounds (``ms_rounds`` in the JSON): a
 host whose speed drifts within a run then weighs on every column alike. The output compared, the patch report and
 ``host ms`` are the first round's.
@@ -374,7 +377,8 @@ class ForcedDecode:
 
 def make_call(row: Row, spec: ModelSpec, config: dict, model: torch.nn.Module, shape: dict, device: torch.device,
               dtype: torch.dtype, args: argparse.Namespace) -> Callable[[], Any]:
-    """The callable a column times: ``() -> output`` for a step or prefill, ``() -> (logits, step ms)`` for a decode."""
+    """The callable a column times: ``() -> output`` for a step or prefill, ``(tokens=--decode-tokens) -> (logits,
+    step ms)`` for a decode."""
     if spec.library == "diffusers":
         inputs = diffusion_inputs(spec, config, shape, device, dtype)
         return lambda: model(**inputs, return_dict=False)[0]
@@ -392,11 +396,11 @@ def make_call(row: Row, spec: ModelSpec, config: dict, model: torch.nn.Module, s
     prompt = token_ids(config, shape["batch"], shape["prompt"], device, seed=3)
     forced = token_ids(config, shape["batch"], args.decode_tokens, device, seed=4)
 
-    def decode():
+    def decode(tokens: int = args.decode_tokens):
         clock = harness.StepClock(device)
         processor = ForcedDecode(forced, clock)
-        model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.decode_tokens,
-                       min_new_tokens=args.decode_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+        model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
+                       min_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
                        logits_processor=LogitsProcessorList([processor]))
         return torch.stack(processor.logits, 1), clock.intervals_ms()
 
@@ -486,8 +490,9 @@ def skip_reason(column: str) -> str | None:
 
 
 def run_column(row: Row, column: str, call: Callable[[], Any], device: torch.device, ref: Any,
-               args: argparse.Namespace, model: torch.nn.Module) -> tuple[dict, Any]:
-    """Time ``call`` under ``column``; returns ``(record, output)``."""
+               args: argparse.Namespace, model: torch.nn.Module, profile: bool = False) -> tuple[dict, Any]:
+    """Time ``call`` under ``column`` (and with ``profile``, on a GPU, measure its busy time); returns ``(record,
+    output)``."""
     record: dict = {"column": column}
     reason = skip_reason(column)
     if reason:
@@ -506,6 +511,8 @@ def run_column(row: Row, column: str, call: Callable[[], Any], device: torch.dev
                 ms = harness.median(times)
                 record["times_ms"] = [round(t, 3) for t in times]
                 record["host_ms"] = harness.median(host)
+            if profile and device.type == "cuda":
+                record["gpu_busy_ms"] = profiled_busy_ms(call, row.kind, args.decode_tokens, device)
     except torch.cuda.OutOfMemoryError:
         free(device)
         return record | {"skipped": "out of GPU memory"}, None
@@ -517,6 +524,32 @@ def run_column(row: Row, column: str, call: Callable[[], Any], device: torch.dev
     if ref is not None:
         record |= harness.similarity(out, ref)
     return record, out
+
+
+def gpu_busy_ms(averages) -> float:
+    """The GPU's own time in ``torch.profiler``'s ``key_averages()``: the self times of its device events (kernels,
+    copies, fills), user annotations left out, as the profiler's table sums them; ms."""
+    from torch.autograd import DeviceType
+
+    return sum(e.self_device_time_total for e in averages
+               if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)) / 1e3
+
+
+def profiled_busy_ms(call: Callable[..., Any], kind: str, tokens: int, device: torch.device) -> float:
+    """The GPU's busy time of one ``call`` (a step or prefill), or of one decode step: a ``generate()`` of ``tokens``
+    tokens less one of a single token (the prefill and the first token's logits), over the ``tokens - 1`` steps
+    between."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def busy(*call_args) -> float:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            call(*call_args)
+            torch.cuda.synchronize(device)
+        return gpu_busy_ms(prof.key_averages())
+
+    if kind != "decode":
+        return busy()
+    return (busy(tokens) - busy(1)) / (tokens - 1)
 
 
 def free(device: torch.device) -> None:
@@ -574,7 +607,8 @@ def bench_rows(args: argparse.Namespace, write: Callable[[list[dict]], None], re
                         records[column] = base | {"column": column,
                                                   "skipped": f"time budget ({args.budget_s:.0f} s) spent"}
                     continue
-                record, out = run_column(row, column, call, device, ref if not round_ else None, args, model)
+                record, out = run_column(row, column, call, device, ref if not round_ else None, args, model,
+                                         profile=args.profile and not round_)
                 if round_ == 0 and column == BASELINE:
                     ref = out
                 del out
@@ -604,10 +638,10 @@ def add_speedups(results: list[dict]) -> None:
 
 
 TABLE = [("row", "row", "s"), ("layers", "layers", "s"), ("column", "column", "s"), ("ms", "ms", ".2f"),
-         ("host_ms", "host ms", ".2f"), ("speedup", "x unpatched", ".3f"), ("cos_sim", "CosSim", ".6f"),
-         ("rel_l1", "rel L1", ".4f"), ("note", "note", "s")]
-CSV_FIELDS = ["row", "model", "kind", "what", "layers", "column", "ms", "host_ms", "speedup", "cos_sim", "rel_l1",
-              "finite", "steps", "note"]
+         ("host_ms", "host ms", ".2f"), ("gpu_busy_ms", "GPU busy ms", ".2f"), ("speedup", "x unpatched", ".3f"),
+         ("cos_sim", "CosSim", ".6f"), ("rel_l1", "rel L1", ".4f"), ("note", "note", "s")]
+CSV_FIELDS = ["row", "model", "kind", "what", "layers", "column", "ms", "host_ms", "gpu_busy_ms", "speedup", "cos_sim",
+              "rel_l1", "finite", "steps", "note"]
 
 
 def table_rows(results: list[dict]) -> list[dict]:
@@ -632,8 +666,9 @@ def summary_md(meta: dict, results: list[dict]) -> str:
     lines += [
              "ms: median of the timed calls (decode: ms per new token); host ms: median time until a step or prefill "
              "call returned on the host, its launches enqueued (first round; near ms: the column waited on the "
-             "host); x unpatched: the `sdpa` column's ms over the column's; CosSim / rel L1: the output against the "
-             "`sdpa` column's; layers: blocks kept when cut.",
+             "host); GPU busy ms (`--profile`): the GPU's own time a call or decode step (well below ms: the column "
+             "waited on the host); x unpatched: the `sdpa` column's ms over the column's; CosSim / rel L1: the output "
+             "against the `sdpa` column's; layers: blocks kept when cut.",
              "", harness.markdown_table(table_rows(results), TABLE), ""]
     return "\n".join(lines)
 
@@ -689,6 +724,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1,
                    help="time each row's columns this many times, in turn; report each column's median")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens generate() makes in a decode row")
+    p.add_argument("--profile", action="store_true",
+                   help="GPU: each column once more under torch.profiler, for its GPU busy ms (a call / decode step)")
     p.add_argument("--budget-s", type=float, default=None, help="start no column after this many seconds")
     p.add_argument("--quick", action="store_true", help="2 blocks a model, 1 timed call, 8 decode tokens")
     p.add_argument("--merge", type=Path, default=None, metavar="BENCH_JSON",

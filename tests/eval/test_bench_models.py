@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from quantpatch.cli_commands import load_eval_script
+from tests.gpu import needs_cuda
 
 pytest.importorskip("diffusers")
 
@@ -173,20 +174,22 @@ def test_merge_keeps_earlier_rows(bench, quick_run, tmp_path):
 
 def test_rounds_time_every_column_in_turn_and_report_the_median(bench, tmp_path, monkeypatch):
     """``--rounds 3``: each column is timed three times, the columns in turn (forward, backward, forward); its ms is
-    the median of the three, the CosSim the first round's."""
+    the median of the three, the CosSim the first round's; ``--profile`` profiles the first round only."""
     pytest.importorskip("matplotlib")
-    order, timings = [], iter(range(1, 100))
+    order, profiled, timings = [], [], iter(range(1, 100))
 
-    def fake_run_column(row, column, call, device, ref, args, model):
+    def fake_run_column(row, column, call, device, ref, args, model, profile=False):
         order.append(column)
+        profiled.append(profile)
         out = torch.zeros(2)
         return {"column": column, "ms": float(next(timings)), "finite": True}, out
 
     monkeypatch.setattr(bench, "run_column", fake_run_column)
     result = bench.main(["--device", "cpu", "--rows", "llama3-8b-prefill-8k-b1", "--modes", "sage2-8b",
-                         "--rounds", "3", "--out", str(tmp_path)])
+                         "--rounds", "3", "--profile", "--out", str(tmp_path)])
     columns = [bench.BASELINE, bench.CUDNN, "sage2-8b"]
     assert order == columns + columns[::-1] + columns
+    assert profiled == [True] * 3 + [False] * 6
     rows = {r["column"]: r for r in result["rows"]}
     assert rows[bench.BASELINE]["ms_rounds"] == [1.0, 6.0, 7.0] and rows[bench.BASELINE]["ms"] == 6.0
     assert rows["sage2-8b"]["ms_rounds"] == [3.0, 4.0, 9.0] and rows["sage2-8b"]["ms"] == 4.0
@@ -236,3 +239,38 @@ def test_sage_column_restores_the_process_wide_backend(bench, monkeypatch):
         assert all(p._attention_backend == dispatch.AttentionBackendName.SAGE for p in processors)
     assert dispatch._AttentionBackendRegistry._active_backend == before
     assert all(p._attention_backend is None for p in processors)
+
+
+def test_gpu_busy_time_sums_the_device_events_only(bench):
+    """``--profile``'s busy time is the device events' own time (kernels, copies), as the profiler's table sums it:
+    not a CPU op's (its kernels' time again), not a user annotation's."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    averages = [SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=1500.0, is_user_annotation=False),
+                SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=500.0, is_user_annotation=False),
+                SimpleNamespace(device_type=DeviceType.CPU, self_device_time_total=2000.0, is_user_annotation=False),
+                SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=9000.0, is_user_annotation=True)]
+    assert bench.gpu_busy_ms(averages) == 2.0
+
+
+def test_profile_off_the_gpu_measures_nothing_more(bench, tmp_path):
+    """``--profile`` on the CPU: no busy time (there is no GPU timeline), the table keeps its column blank."""
+    result = bench.main(["--device", "cpu", "--rows", "llama3-8b-prefill-8k-b1", "--modes", "sage2-8b", "--reps", "1",
+                         "--profile", "--out", str(tmp_path)])
+    assert result["rows"] and not any("gpu_busy_ms" in r for r in result["rows"])
+    assert "| GPU busy ms |" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_profile_gives_each_column_a_busy_time_within_its_time(bench, tmp_path):
+    """On a GPU every measured column of a step / prefill row and of a decode row gets a busy time, positive and at
+    most its time (the GPU cannot be busier than the wall clock), with a margin for the profiler's own clock."""
+    result = bench.main(["--quick", "--rows", "llama3-8b-prefill-8k-b1", "llama3-8b-decode-b1-4k", "--modes",
+                         "sage2-8b", "--profile", "--out", str(tmp_path)])
+    measured = [r for r in result["rows"] if "ms" in r]
+    assert {r["kind"] for r in measured} == {"prefill", "decode"}
+    for r in measured:
+        assert 0 < r["gpu_busy_ms"] <= r["ms"] * 1.1, r
