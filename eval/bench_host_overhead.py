@@ -70,11 +70,20 @@ def host_once_us(fn: Callable[[], object], device: torch.device, repeats: int) -
     return statistics.median(host_ms) * 1e3
 
 
+SHORT_TOKENS, SHORT_HEAD_DIM = 1024, 128  # the launch-bound shape of the short rows (B=1, --short-heads heads)
+
+
+def short_inputs(args, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q, k, v (1, --short-heads, SHORT_TOKENS, SHORT_HEAD_DIM)`` in bf16: the short rows' inputs."""
+    shape = (1, args.short_heads, SHORT_TOKENS, SHORT_HEAD_DIM)
+    return tuple(torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(3))
+
+
 def short_kernel_rows(args, device: torch.device) -> list[dict]:
     """``F.scaled_dot_product_attention`` and ``quantpatch.attention(..., policy="always", strict=True)`` at a
-    launch-bound shape that takes the kernel route (B=1, ``--short-heads`` heads, 1024 tokens, D = 128), back to back:
-    the public call's host time from its signature's second call on (a planned call: route and checks made once)."""
-    q, k, v = (torch.randn(1, args.short_heads, 1024, 128, device=device, dtype=torch.bfloat16) for _ in range(3))
+    launch-bound shape that takes the kernel route (:func:`short_inputs`), back to back: the public call's host time
+    from its signature's second call on (a planned call: route and checks made once)."""
+    q, k, v = short_inputs(args, device)
     calls = {"sdpa-short": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
              "attention-short": lambda: quantpatch.attention(q, k, v, mode=args.mode, policy="always", strict=True)}
     return [dict(row=name, us=host_us(fn, device, args.calls, args.repeats), baseline="sdpa-short")
@@ -86,8 +95,9 @@ def sm90_route_rows(args, device: torch.device) -> list[dict]:
     where that call does not take the route (another GPU, the Gluon kernel unavailable)."""
     from quantpatch.kernels.attention import fast_paths, qk_quant_triton
 
-    q, k, v = (torch.randn(1, args.short_heads, 1024, 128, device=device, dtype=torch.bfloat16) for _ in range(3))
-    prefill = fast_paths._sm90_prefill(q, k, v, quantpatch.get_mode(args.mode).attention, False, 128 ** -0.5)
+    q, k, v = short_inputs(args, device)
+    prefill = fast_paths._sm90_prefill(q, k, v, quantpatch.get_mode(args.mode).attention, False,
+                                       SHORT_HEAD_DIM ** -0.5)
     if prefill is None:
         return []
     for _ in range(2):  # the first call makes the launch plans, the second runs them bound
