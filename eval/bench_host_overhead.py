@@ -96,6 +96,7 @@ def sm90_route_rows(args, device: torch.device) -> list[dict]:
     from quantpatch.kernels.attention import fast_paths, qk_quant_triton
 
     q, k, v = short_inputs(args, device)
+    device = q.device  # with its index (``cuda:0``): the planned launches key their scratch by stream
     prefill = fast_paths._sm90_prefill(q, k, v, quantpatch.get_mode(args.mode).attention, False,
                                        SHORT_HEAD_DIM ** -0.5)
     if prefill is None:

@@ -341,7 +341,8 @@ def turbo_compress_kv_ref(
         buffer_scale = symmetric_scale(x.abs().amax(dim=(-2, -1), keepdim=True), qmax)
     buffer_scale = buffer_scale.to(compute_dtype).expand(*x.shape[:2], 1, 1)
     tail = quantize_symmetric(x[..., n_full:, :], buffer_scale, qmax)
-    return compressed, Int8Buffer(values=tail.to(torch.int8), scale=buffer_scale.contiguous(), qmax=qmax)
+    # contiguous: a slice of the prompt's states keeps their token-major strides, which the append kernel refuses
+    return compressed, Int8Buffer(values=tail.to(torch.int8).contiguous(), scale=buffer_scale.contiguous(), qmax=qmax)
 
 
 def _cat_blocks(a: CompressedKV, b: CompressedKV) -> CompressedKV:
@@ -386,7 +387,8 @@ def turbo_append_ref(
             values[..., :n_full, :], scale[..., 0].expand(b, h, n_full // block), compressed.bits, block=block
         )
         compressed = _cat_blocks(compressed, fresh)
-    return compressed, Int8Buffer(values=values[..., n_full:, :].to(torch.int8), scale=scale, qmax=buffer.qmax)
+    return compressed, Int8Buffer(values=values[..., n_full:, :].to(torch.int8).contiguous(), scale=scale,
+                                  qmax=buffer.qmax)
 
 
 def turbo_decompress_kv_ref(

@@ -77,6 +77,16 @@ def test_layer_prefill_and_appends_follow_the_reference():
     assert torch.equal(dv, torch.mul(*turbo_decompress_kv_ref(*ref_v)))
 
 
+def test_buffers_are_contiguous_whatever_the_states_strides():
+    """Transformers' K/V states are token-major views ((B, N, H, D) transposed): the INT8 buffers made from a prompt's
+    tail and from a chunk that fills a block are contiguous all the same, as the append kernel requires."""
+    b, h, d = 2, 2, 64
+    blocks, buffer = turbo_compress_kv_ref(_randn(b, 100, h, d, seed=2).transpose(1, 2), (4, 4))
+    assert buffer.n_tokens == 36 and buffer.values.is_contiguous()
+    blocks, buffer = turbo_append_ref(blocks, buffer, _randn(b, 40, h, d, seed=3).transpose(1, 2))
+    assert blocks.n_blocks == 2 and buffer.n_tokens == 12 and buffer.values.is_contiguous()
+
+
 def test_direct_update_returns_storage_free_nan_placeholders():
     layer = TurboLayer(2, 64, 4)
     layer.update(_randn(1, 2, 70, 64, seed=0), _randn(1, 2, 70, 64, seed=1))
