@@ -778,7 +778,9 @@ def launch(q, heads, meta, steps, kc, vc, k_sint, k_zint, k_bscale, v_sint, v_zi
     hkv, t = k_sint.shape[1], k_sint.shape[2]
     group = h // hkv
     splits, per_split = launch_splits(b, len(heads), t, num_splits, q.device)
-    m_part, l_part, acc_part, counters = workspace(splits) if splits > 1 else (out,) * 4
+    # float32 partials even with one split: the kernel's merge branch is compiled whatever the split count (a runtime
+    # value), and storing its float32 partials through a bf16 output pointer does not compile
+    m_part, l_part, acc_part, counters = workspace(splits)
     args = (q, q.stride(0), q.stride(1),
             kc, kc.stride(0), k_sint, k_zint, k_bscale,
             vc, vc.stride(0), v_sint, v_zint, v_bscale,

@@ -63,6 +63,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -621,55 +622,46 @@ def _workspace(device: torch.device, parts: int, d: int, counters: int) -> tuple
     return ws
 
 
-def _decode(
+def _launcher(
     q: torch.Tensor, k_codes: list[torch.Tensor], k_sint: torch.Tensor, k_zint: torch.Tensor, k_bscale: torch.Tensor,
     v_codes: list[torch.Tensor], v_sint: torch.Tensor, v_zint: torch.Tensor, v_bscale: torch.Tensor,
-    k_buf: torch.Tensor, k_buf_scale: torch.Tensor, v_buf: torch.Tensor, v_buf_scale: torch.Tensor,
     k_bits: list[int], v_bits: list[int], is_causal: bool, sm_scale: float, num_splits: int, out_dtype: torch.dtype,
     qk_qmax: int, pv_qmax: int, num_warps: int, num_stages: int, lanes: int, kernel: str,
-) -> torch.Tensor:
-    """One launch per code-width group (one in all for a uniform cache); the splits merge in the kernel. With
-    ``kernel="auto"`` a group the Gluon kernel takes (:func:`gluon_takes`) goes to it; ``num_splits`` 0: each
-    kernel's default."""
+) -> Callable[..., torch.Tensor]:
+    """What a decode call over these blocks launches, decided once: ``run(q, k_buf, k_buf_scale, v_buf,
+    v_buf_scale) -> out`` for queries shaped like ``q`` and any INT8 buffers (see :func:`_decode`). One launch per
+    code-width group (one in all for a uniform cache); the splits merge in the kernel. With ``kernel="auto"`` a group
+    the Gluon kernel takes (:func:`gluon_takes`) goes to it; ``num_splits`` 0: each kernel's default."""
     b, h, nq, d = q.shape
+    device = q.device
     hkv, t = k_sint.shape[1], k_sint.shape[2]
-    nb = k_buf.shape[-2]
-    splits = num_splits or default_num_splits(b, hkv, t, q.device)
+    splits = num_splits or default_num_splits(b, hkv, t, device)
     plan = _plan(h // hkv, nq, t, tuple(k_bits), tuple(v_bits), splits, lanes)
-    out = torch.empty((b, h, nq, d), dtype=out_dtype, device=q.device)
 
     def workspace(n_splits: int) -> tuple[torch.Tensor, ...]:
-        return _workspace(q.device, b * h * nq * n_splits, d, b * hkv)
+        return _workspace(device, b * h * nq * n_splits, d, b * hkv)
 
-    # Tensors never read (no buffer, no blocks) still need a valid address for the launcher.
-    k_buf, v_buf = (k_buf, v_buf) if nb else (k_sint, v_sint)
-    triton_groups = []
-    for kw, vw, heads in plan.groups:  # (k_buf, v_buf may stand in for empty buffers: nb says how many keys)
-        if kernel == "auto" and gluon_takes(q.device, h // hkv, nq, d, kw, vw, t):
-            try:
-                offsets = _group_offsets(heads, k_codes, v_codes)
-                steps = _regular_steps(offsets)
-                _gluon.launch(q, heads, None if steps else _meta_tensor(offsets, q.device), steps, k_codes[heads[0]],
-                              v_codes[heads[0]], k_sint, k_zint, k_bscale, v_sint, v_zint, v_bscale, k_buf,
-                              k_buf_scale, v_buf, v_buf_scale, nb, out, workspace, sm_scale, qk_qmax, pv_qmax,
-                              num_splits)
-                continue
-            except triton.CompilationError as err:  # a Triton whose Gluon API differs: warn once, Triton serves
-                GLUON.close(q.device, err)
-        triton_groups.append((kw, vw, heads))
-    if not triton_groups:
-        return out
-    # never read with one split: any valid address
-    m_part, l_part, acc_part, counters = (out,) * 4 if plan.direct else workspace(plan.splits)
-    k_sint, k_zint, v_sint, v_zint = (_words(x) for x in (k_sint, k_zint, v_sint, v_zint))
-    for kw, vw, heads in triton_groups:
+    gluon_groups, triton_groups = [], []
+    for kw, vw, heads in plan.groups:
+        if kernel == "auto" and gluon_takes(device, h // hkv, nq, d, kw, vw, t):
+            steps = _regular_steps(_group_offsets(heads, k_codes, v_codes))
+            meta = None if steps else _meta_tensor(_group_offsets(heads, k_codes, v_codes), device)
+            gluon_groups.append((kw, vw, heads, meta, steps))
+        else:
+            triton_groups.append((kw, vw, heads, _meta_tensor(_group_offsets(heads, k_codes, v_codes), device)))
+    words = [_words(x) for x in (k_sint, k_zint, v_sint, v_zint)]
+
+    def triton_launch(kw: int, vw: int, heads: tuple[int, ...], meta: torch.Tensor, q: torch.Tensor, k_buf,
+                      k_buf_scale, v_buf, v_buf_scale, nb: int, out: torch.Tensor) -> None:
+        # never read with one split: any valid address
+        m_part, l_part, acc_part, counters = (out,) * 4 if plan.direct else workspace(plan.splits)
+        k_sint, k_zint, v_sint, v_zint = words
         kc, vc = (k_codes[heads[0]].view(torch.int32), v_codes[heads[0]].view(torch.int32)) if t else (k_sint, v_sint)
         _turbo_decode_kernel[(plan.splits, b * len(heads))](
             q, q.stride(0), q.stride(1), q.stride(2),
             kc, kc.stride(0), k_sint, k_zint, k_bscale,
             vc, vc.stride(0), v_sint, v_zint, v_bscale,
-            k_buf, k_buf_scale, v_buf, v_buf_scale,
-            _meta_tensor(_group_offsets(heads, k_codes, v_codes), q.device),
+            k_buf, k_buf_scale, v_buf, v_buf_scale, meta,
             out, out.stride(0), out.stride(1), out.stride(2),
             m_part, l_part, acc_part, counters,
             nq, t, nb, hkv, len(heads), plan.per_split, plan.splits, sm_scale,
@@ -678,7 +670,40 @@ def _decode(
             QMAX=qk_qmax, PMAX=pv_qmax, SUB=SUBNORMAL_CODES, S_CHUNK=plan.s_chunk,
             num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
         )
-    return out
+
+    def run(q: torch.Tensor, k_buf: torch.Tensor, k_buf_scale: torch.Tensor, v_buf: torch.Tensor,
+            v_buf_scale: torch.Tensor) -> torch.Tensor:
+        nb = k_buf.shape[-2]
+        out = torch.empty((b, h, nq, d), dtype=out_dtype, device=device)
+        # Tensors never read (no buffer, no blocks) still need a valid address for the launcher.
+        k_buf, v_buf = (k_buf, v_buf) if nb else (k_sint, v_sint)
+        for kw, vw, heads, meta, steps in gluon_groups:
+            try:
+                _gluon.launch(q, heads, meta, steps, k_codes[heads[0]], v_codes[heads[0]], k_sint, k_zint, k_bscale,
+                              v_sint, v_zint, v_bscale, k_buf, k_buf_scale, v_buf, v_buf_scale, nb, out, workspace,
+                              sm_scale, qk_qmax, pv_qmax, num_splits)
+            except triton.CompilationError as err:  # a Triton whose Gluon API differs: warn once, Triton serves
+                GLUON.close(device, err)
+                offsets = _meta_tensor(_group_offsets(heads, k_codes, v_codes), device)
+                triton_launch(kw, vw, heads, offsets, q, k_buf, k_buf_scale, v_buf, v_buf_scale, nb, out)
+        for kw, vw, heads, offsets in triton_groups:
+            triton_launch(kw, vw, heads, offsets, q, k_buf, k_buf_scale, v_buf, v_buf_scale, nb, out)
+        return out
+
+    return run
+
+
+def _decode(
+    q: torch.Tensor, k_codes: list[torch.Tensor], k_sint: torch.Tensor, k_zint: torch.Tensor, k_bscale: torch.Tensor,
+    v_codes: list[torch.Tensor], v_sint: torch.Tensor, v_zint: torch.Tensor, v_bscale: torch.Tensor,
+    k_buf: torch.Tensor, k_buf_scale: torch.Tensor, v_buf: torch.Tensor, v_buf_scale: torch.Tensor,
+    k_bits: list[int], v_bits: list[int], is_causal: bool, sm_scale: float, num_splits: int, out_dtype: torch.dtype,
+    qk_qmax: int, pv_qmax: int, num_warps: int, num_stages: int, lanes: int, kernel: str,
+) -> torch.Tensor:
+    """The decode kernels' launches for one call (:func:`_launcher`, then its run on the buffers)."""
+    run = _launcher(q, k_codes, k_sint, k_zint, k_bscale, v_codes, v_sint, v_zint, v_bscale, k_bits, v_bits,
+                    is_causal, sm_scale, num_splits, out_dtype, qk_qmax, pv_qmax, num_warps, num_stages, lanes, kernel)
+    return run(q, k_buf, k_buf_scale, v_buf, v_buf_scale)
 
 
 # Custom-op form over the tensors of the ``CompressedKV`` and ``Int8Buffer``: what ``torch.compile`` traces
@@ -737,25 +762,54 @@ def turbo_decode_attention(
         raise ValueError(f"turbo decode kernel: {reason}")
     if kernel not in ("auto", "triton"):
         raise ValueError(f"kernel={kernel!r}: choose 'auto' or 'triton'")
-    b, h, nq, d = q.shape
+    b, d = q.shape[0], q.shape[-1]
     if k_buffer is None:
         hkv = k_cache.kv_heads
         empty = torch.zeros((b, hkv, 0, d), dtype=torch.int8, device=q.device)
         k_buffer = v_buffer = Int8Buffer(empty, torch.ones((b, hkv, 1, 1), device=q.device))
-    sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    cfg = _reference_config() if cfg is None else cfg
-    args = (
-        q, list(k_cache.codes), _as(k_cache.int_scale, torch.int8), _as(k_cache.int_zero, torch.int8),
-        _as(k_cache.block_scale, torch.float32),
-        list(v_cache.codes), _as(v_cache.int_scale, torch.int8), _as(v_cache.int_zero, torch.int8),
-        _as(v_cache.block_scale, torch.float32),
-        _as(k_buffer.values, torch.int8), _as(k_buffer.scale, torch.float32),
-        _as(v_buffer.values, torch.int8), _as(v_buffer.scale, torch.float32),
-        list(k_cache.bits), list(v_cache.bits), is_causal, sm_scale, num_splits or 0, out_dtype or q.dtype,
-        cfg.qk_qmax, cfg.pv_qmax, num_warps, num_stages, lanes, kernel,
-    )
+    args = (q, *_block_args(k_cache, v_cache), *_buffer_args(k_buffer, v_buffer),
+            *_options(q, k_cache, v_cache, cfg, is_causal, scale, num_splits, out_dtype, num_warps, num_stages, lanes,
+                      kernel))
     # The custom op is what torch.compile traces; eagerly its dispatch costs more host time than the launch.
     return turbo_decode_attention_op(*args) if torch.compiler.is_compiling() else _decode(*args)
+
+
+def _block_args(k_cache: CompressedKV, v_cache: CompressedKV) -> tuple:
+    """The blocks' tensors as :func:`_decode` takes them."""
+    return (list(k_cache.codes), _as(k_cache.int_scale, torch.int8), _as(k_cache.int_zero, torch.int8),
+            _as(k_cache.block_scale, torch.float32),
+            list(v_cache.codes), _as(v_cache.int_scale, torch.int8), _as(v_cache.int_zero, torch.int8),
+            _as(v_cache.block_scale, torch.float32))
+
+
+def _buffer_args(k_buffer: Int8Buffer, v_buffer: Int8Buffer) -> tuple:
+    """The buffers' tensors as :func:`_decode` takes them."""
+    return (_as(k_buffer.values, torch.int8), _as(k_buffer.scale, torch.float32),
+            _as(v_buffer.values, torch.int8), _as(v_buffer.scale, torch.float32))
+
+
+def _options(q: torch.Tensor, k_cache: CompressedKV, v_cache: CompressedKV, cfg: AttentionConfig | None,
+             is_causal: bool, scale: float | None, num_splits: int | None, out_dtype: torch.dtype | None,
+             num_warps: int, num_stages: int, lanes: int, kernel: str) -> tuple:
+    """:func:`turbo_decode_attention`'s options as :func:`_decode` takes them."""
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    cfg = _reference_config() if cfg is None else cfg
+    return (list(k_cache.bits), list(v_cache.bits), is_causal, sm_scale, num_splits or 0, out_dtype or q.dtype,
+            cfg.qk_qmax, cfg.pv_qmax, num_warps, num_stages, lanes, kernel)
+
+
+def decode_plan(q: torch.Tensor, k_cache: CompressedKV, v_cache: CompressedKV, *, cfg: AttentionConfig | None = None,
+                is_causal: bool = True, scale: float | None = None) -> Callable[..., torch.Tensor]:
+    """:func:`turbo_decode_attention` over these blocks with its decisions made once: ``run(q, k_buffer, v_buffer)
+    -> o`` for queries of ``q``'s shape, dtype and device and any buffers (``Int8Buffer`` of fewer than a block), with
+    no checks (the caller has run :func:`decode_unsupported` on a call of the same blocks and layout)."""
+    run = _launcher(q, *_block_args(k_cache, v_cache),
+                    *_options(q, k_cache, v_cache, cfg, is_causal, scale, None, None, NUM_WARPS, NUM_STAGES, 0, "auto"))
+
+    def planned(q: torch.Tensor, k_buffer: Int8Buffer, v_buffer: Int8Buffer) -> torch.Tensor:
+        return run(q, *_buffer_args(k_buffer, v_buffer))
+
+    return planned
 
 
 def gluon_takes(device: torch.device, group: int, nq: int, d: int, k_bits: int, v_bits: int, n_blocks: int) -> bool:
@@ -802,7 +856,8 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
 
 
-__all__ = ["decode_unsupported", "decode_variant_blocks", "default_num_splits", "gluon_takes", "turbo_decode_attention"]
+__all__ = ["decode_plan", "decode_unsupported", "decode_variant_blocks", "default_num_splits", "gluon_takes",
+           "turbo_decode_attention"]
 
 # last: the Gluon kernel (Triton 3.6+'s triton.experimental.gluon) serves the groups it takes on sm_90
 try:

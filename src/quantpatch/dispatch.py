@@ -230,6 +230,12 @@ def _choose(op: str, key: str, call: Any) -> tuple[Implementation | None, list[t
     return None, declined
 
 
+def plan_epoch() -> tuple[int, int]:
+    """What changes whenever a kept plan may stop being the route its calls would take: the registrations made and the
+    Gluon gates closed in this process (another implementation or kernel may now serve them)."""
+    return _registrations, kernel_devices.gate_closures
+
+
 def select(op: str, key: str, call: Any) -> tuple[Implementation | None, list[str]]:
     """The highest-priority implementation of ``op`` for ``key`` that accepts ``call``, and why the others declined
     (``"name: reason"``)."""
@@ -307,7 +313,7 @@ class LinearPlans:
 
     def __init__(self) -> None:
         self.entries: dict[tuple, tuple[str, Callable]] = {}
-        self.registrations, self.gate_closures = _registrations, kernel_devices.gate_closures
+        self.registrations, self.gate_closures = plan_epoch()
 
     def __deepcopy__(self, memo: dict) -> LinearPlans:
         return LinearPlans()
@@ -321,9 +327,9 @@ class LinearPlans:
     def _drop_stale(self) -> None:
         """Drop the plans if a registration was made or a Gluon gate closed since they were (another implementation
         or kernel may now serve their calls)."""
-        if self.registrations != _registrations or self.gate_closures != kernel_devices.gate_closures:
+        if (self.registrations, self.gate_closures) != plan_epoch():
             self.entries.clear()
-            self.registrations, self.gate_closures = _registrations, kernel_devices.gate_closures
+            self.registrations, self.gate_closures = plan_epoch()
 
     def run(self, layer: torch.nn.Module, x: torch.Tensor, record: SiteRecord | None) -> torch.Tensor | None:
         """``layer``'s output on ``x`` by the planned call of ``x``'s signature, counted on ``record``; None where

@@ -33,7 +33,13 @@ from quantpatch.kernels.turbo_kv.turbo_compress_triton import (
     turbo_compress_blocks,
     turbo_compress_int8_blocks,
 )
-from quantpatch.kernels.turbo_kv.turbo_decode_triton import _WORKSPACES, decode_unsupported, turbo_decode_attention
+from quantpatch.kernels.turbo_kv.turbo_decode_triton import (
+    _WORKSPACES,
+    GLUON,
+    decode_plan,
+    decode_unsupported,
+    turbo_decode_attention,
+)
 from quantpatch.kernels.turbo_kv.turbo_ref import (
     decode_attention_config,
     turbo_append_ref,
@@ -237,6 +243,21 @@ def test_decode_split_merge_in_the_launch_is_deterministic_and_resets_its_counte
     assert _WORKSPACES and all(int(ws[-1].abs().sum()) == 0 for ws in _WORKSPACES.values())
 
 
+def test_decode_plan_gives_the_full_calls_bits_on_new_queries_and_buffers():
+    """A plan made once for a layout and these blocks (two launches: mixed widths) serves later decode steps, whose
+    queries and buffers are new tensors: the bits of the full call on each."""
+    (kc, kb), (vc, vb) = _to(_cache("randn", b=2, hkv=2, n=64 * 3 + 5, d=64, k_bits=(4, 2), v_bits=(4, 4), seed=9),
+                             DEVICE)
+    cfg = decode_attention_config()
+    q = torch.randn(2, 8, 1, 64, device=DEVICE)
+    planned = decode_plan(q, kc, vc, cfg=cfg, is_causal=False)
+    for step in range(3):
+        q = torch.randn(2, 8, 1, 64, device=DEVICE)
+        kb, vb = (type(buf)(torch.cat([buf.values, buf.values[..., :1, :]], dim=-2), buf.scale, buf.qmax)
+                  for buf in (kb, vb))
+        assert torch.equal(planned(q, kb, vb), turbo_decode_attention(q, kc, vc, kb, vb, cfg=cfg, is_causal=False))
+
+
 def test_decode_bf16_output_is_the_float32_output_rounded():
     (kc, kb), (vc, vb) = _to(_cache("randn", b=1, hkv=2, n=130, d=64, k_bits=4, v_bits=4, seed=3), DEVICE)
     q = torch.randn(1, 4, 1, 64, device=DEVICE).to(torch.bfloat16)
@@ -317,3 +338,28 @@ def test_gpu_turbo_layer_uses_the_kernels_and_falls_back_once():
         second = turbo_cache_attention(qo, odd)
     assert not [w for w in again if issubclass(w.category, QuantpatchFallbackWarning)]
     assert torch.equal(first, second) and torch.equal(first, turbo_cache_attention(qo, odd, use_kernel=False))
+
+
+@gpu
+@needs_cuda
+def test_gpu_turbo_cache_attention_plans_once_per_block_count_with_the_same_bits():
+    """A layer's decode steps run its planned call, made at the first step after each block is compressed: the full
+    kernel call's bits at every step (80 steps, the buffer filling twice)."""
+    from quantpatch.patches.transformers.turbo_cache import TurboLayer, cache_attention_config, turbo_cache_attention
+
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 2, 4, 200, 128, device="cuda").to(torch.bfloat16)
+    layer = TurboLayer(4, 128, 4)
+    layer.update(k[..., :120, :], v[..., :120, :])
+    plans = []  # held, so that no two of them share an id
+    for i in range(120, 200):
+        layer.update(k[..., i:i + 1, :], v[..., i:i + 1, :], direct=True)
+        q = torch.randn(2, 16, 1, 128, device="cuda").to(torch.bfloat16)
+        out = turbo_cache_attention(q, layer)
+        plans.append(layer.decode_plan[3])
+        full = turbo_decode_attention(q, layer.k_blocks, layer.v_blocks, layer.k_buffer, layer.v_buffer,
+                                      cfg=cache_attention_config(None, 64))
+        assert torch.equal(out, full)
+    assert layer.k_blocks.n_blocks == 3 and len({id(plan) for plan in plans}) == 3
+    if torch.cuda.get_device_capability()[0] == 9:  # the Gluon kernel served them (bf16, one split and several)
+        assert GLUON.unsupported(q.device) is None
