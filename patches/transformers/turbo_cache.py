@@ -267,8 +267,8 @@ class TurboLayer(CacheLayerMixin):
         self._nan: torch.Tensor | None = None  # the one element the placeholders expand
         # (K blocks, V blocks, query layout, reason) of the decode kernel's last check (see _register_decode_kernels)
         self.decode_checked: tuple | None = None
-        # (K blocks, V blocks, call key, run) of the decode kernel's planned calls (see turbo_cache_attention)
-        self.decode_plan: tuple | None = None
+        # (K blocks, V blocks, call key, run) of the decode kernel's planned call (see turbo_cache_attention)
+        self.planned_decode: tuple | None = None
         self._append: Callable[[torch.Tensor, Int8Buffer], Int8Buffer] | None = None
 
     def __repr__(self) -> str:
@@ -419,7 +419,7 @@ class TurboLayer(CacheLayerMixin):
         self.k_blocks, self.v_blocks = _map_batch(self.k_blocks, fn), _map_batch(self.v_blocks, fn)
         self.k_buffer, self.v_buffer = _map_batch(self.k_buffer, fn), _map_batch(self.v_buffer, fn)
         self.batch = self.k_buffer.values.shape[0]
-        self._placeholders = self.decode_plan = None
+        self._placeholders = self.planned_decode = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -761,7 +761,7 @@ def _register_decode_kernels(kernels: ModuleType) -> None:
                                                   scale=call.scale, check=False)
         planned = kernels.decode_plan(query, layer.k_blocks, layer.v_blocks, cfg=call.cfg, is_causal=call.is_causal,
                                       scale=call.scale)
-        layer.decode_plan = (layer.k_blocks, layer.v_blocks, _plan_key(call), planned)
+        layer.planned_decode = (layer.k_blocks, layer.v_blocks, _plan_key(call), planned)
         return planned(query, layer.k_buffer, layer.v_buffer)
 
     register("turbo_decode", "turbo", Implementation("triton", 10, unsupported, run))
@@ -796,18 +796,18 @@ def turbo_cache_attention(
     query tokens; ``attn_mask``: bool or additive, broadcastable to ``(B, H, Nq, N)``.
 
     On CUDA the Triton decode kernel (``kernels/turbo_kv/turbo_decode_triton.py``) reads the packed codes, the
-    integer scales and the buffer in place. Its launches over a layer's blocks are planned once (``decode_plan``,
-    kept on the layer): the later steps until the next block is compressed run them with no dispatch and no checks,
-    for a query of the same shape, dtype, device and options. What the kernel does not take (an ``attn_mask``,
-    head_dim outside {64, 128}, ``Nq > 16``, other numerics) runs this reference, with one warning. ``use_kernel``:
-    None = on CUDA, False = always the reference (benchmarks).
+    integer scales and the buffer in place. Its launches over a layer's blocks are planned once (the kernel module's
+    ``decode_plan``, kept as the layer's ``planned_decode``): the later steps until the next block is compressed run
+    them with no dispatch and no checks, for a query of the same shape, dtype, device and options. What the kernel
+    does not take (an ``attn_mask``, head_dim outside {64, 128}, ``Nq > 16``, other numerics) runs this reference,
+    with one warning. ``use_kernel``: None = on CUDA, False = always the reference (benchmarks).
 
     Returns:
         ``(B, H, Nq, D)`` in ``query``'s dtype.
     """
     cfg = cache_attention_config(cfg, layer.block)
     call = TurboDecodeCall(query, layer, cfg, attn_mask, is_causal, scale, use_kernel is not False)
-    planned = layer.decode_plan
+    planned = layer.planned_decode
     if (planned is not None and attn_mask is None and use_kernel is not False and planned[0] is layer.k_blocks
             and planned[1] is layer.v_blocks and type(query) is torch.Tensor and planned[2] == _plan_key(call)
             and (not query.is_cuda or query.device.index == torch.cuda.current_device())

@@ -356,7 +356,7 @@ def test_gpu_turbo_cache_attention_plans_once_per_block_count_with_the_same_bits
         layer.update(k[..., i:i + 1, :], v[..., i:i + 1, :], direct=True)
         q = torch.randn(2, 16, 1, 128, device="cuda").to(torch.bfloat16)
         out = turbo_cache_attention(q, layer)
-        plans.append(layer.decode_plan[3])
+        plans.append(layer.planned_decode[3])
         full = turbo_decode_attention(q, layer.k_blocks, layer.v_blocks, layer.k_buffer, layer.v_buffer,
                                       cfg=cache_attention_config(None, 64))
         assert torch.equal(out, full)
