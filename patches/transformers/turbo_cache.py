@@ -808,10 +808,11 @@ def turbo_cache_attention(
     cfg = cache_attention_config(cfg, layer.block)
     call = TurboDecodeCall(query, layer, cfg, attn_mask, is_causal, scale, use_kernel is not False)
     planned = layer.planned_decode
-    if (planned is not None and attn_mask is None and use_kernel is not False and planned[0] is layer.k_blocks
-            and planned[1] is layer.v_blocks and type(query) is torch.Tensor and planned[2] == _plan_key(call)
-            and (not query.is_cuda or query.device.index == torch.cuda.current_device())
-            and not torch.compiler.is_compiling()):
+    # the compile test first: a torch.compile trace takes the op (its custom op), with no guard on the plan
+    if (not torch.compiler.is_compiling() and planned is not None and attn_mask is None and use_kernel is not False
+            and planned[0] is layer.k_blocks and planned[1] is layer.v_blocks and type(query) is torch.Tensor
+            and planned[2] == _plan_key(call)
+            and (not query.is_cuda or query.device.index == torch.cuda.current_device())):
         return planned[3](query, layer.k_buffer, layer.v_buffer)
     return run_op("turbo_decode", "turbo", call, what="TurboCache decode kernel")
 
