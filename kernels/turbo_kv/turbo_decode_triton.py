@@ -643,12 +643,12 @@ def _launcher(
 
     gluon_groups, triton_groups = [], []
     for kw, vw, heads in plan.groups:
+        offsets = _group_offsets(heads, k_codes, v_codes)
         if kernel == "auto" and gluon_takes(device, h // hkv, nq, d, kw, vw, t):
-            steps = _regular_steps(_group_offsets(heads, k_codes, v_codes))
-            meta = None if steps else _meta_tensor(_group_offsets(heads, k_codes, v_codes), device)
-            gluon_groups.append((kw, vw, heads, meta, steps))
+            steps = _regular_steps(offsets)
+            gluon_groups.append((kw, vw, heads, offsets, None if steps else _meta_tensor(offsets, device), steps))
         else:
-            triton_groups.append((kw, vw, heads, _meta_tensor(_group_offsets(heads, k_codes, v_codes), device)))
+            triton_groups.append((kw, vw, heads, _meta_tensor(offsets, device)))
     words = [_words(x) for x in (k_sint, k_zint, v_sint, v_zint)]
 
     def triton_launch(kw: int, vw: int, heads: tuple[int, ...], meta: torch.Tensor, q: torch.Tensor, k_buf,
@@ -677,17 +677,17 @@ def _launcher(
         out = torch.empty((b, h, nq, d), dtype=out_dtype, device=device)
         # Tensors never read (no buffer, no blocks) still need a valid address for the launcher.
         k_buf, v_buf = (k_buf, v_buf) if nb else (k_sint, v_sint)
-        for kw, vw, heads, meta, steps in gluon_groups:
+        for kw, vw, heads, offsets, meta, steps in gluon_groups:
             try:
                 _gluon.launch(q, heads, meta, steps, k_codes[heads[0]], v_codes[heads[0]], k_sint, k_zint, k_bscale,
                               v_sint, v_zint, v_bscale, k_buf, k_buf_scale, v_buf, v_buf_scale, nb, out, workspace,
                               sm_scale, qk_qmax, pv_qmax, num_splits)
             except triton.CompilationError as err:  # a Triton whose Gluon API differs: warn once, Triton serves
                 GLUON.close(device, err)
-                offsets = _meta_tensor(_group_offsets(heads, k_codes, v_codes), device)
-                triton_launch(kw, vw, heads, offsets, q, k_buf, k_buf_scale, v_buf, v_buf_scale, nb, out)
-        for kw, vw, heads, offsets in triton_groups:
-            triton_launch(kw, vw, heads, offsets, q, k_buf, k_buf_scale, v_buf, v_buf_scale, nb, out)
+                triton_launch(kw, vw, heads, meta if meta is not None else _meta_tensor(offsets, device), q, k_buf,
+                              k_buf_scale, v_buf, v_buf_scale, nb, out)
+        for kw, vw, heads, meta in triton_groups:
+            triton_launch(kw, vw, heads, meta, q, k_buf, k_buf_scale, v_buf, v_buf_scale, nb, out)
         return out
 
     return run

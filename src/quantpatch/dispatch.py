@@ -309,11 +309,11 @@ class LinearPlans:
     or a cast); a registration or a closed Gluon gate (``kernels.device.GluonGate.close``) since drops them all;
     copies of the layer start with none."""
 
-    __slots__ = ("entries", "registrations", "gate_closures")
+    __slots__ = ("entries", "epoch")
 
     def __init__(self) -> None:
         self.entries: dict[tuple, tuple[str, Callable]] = {}
-        self.registrations, self.gate_closures = plan_epoch()
+        self.epoch = plan_epoch()
 
     def __deepcopy__(self, memo: dict) -> LinearPlans:
         return LinearPlans()
@@ -327,9 +327,9 @@ class LinearPlans:
     def _drop_stale(self) -> None:
         """Drop the plans if a registration was made or a Gluon gate closed since they were (another implementation
         or kernel may now serve their calls)."""
-        if (self.registrations, self.gate_closures) != plan_epoch():
+        if self.epoch != plan_epoch():
             self.entries.clear()
-            self.registrations, self.gate_closures = plan_epoch()
+            self.epoch = plan_epoch()
 
     def run(self, layer: torch.nn.Module, x: torch.Tensor, record: SiteRecord | None) -> torch.Tensor | None:
         """``layer``'s output on ``x`` by the planned call of ``x``'s signature, counted on ``record``; None where
